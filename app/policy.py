@@ -1,0 +1,136 @@
+"""The policy on Ray Serve: replicas that each own one engine (vLLM or transformers), batch concurrent requests,
+report the weight version that produced every reply, and take new weights in place.
+
+Replicas, autoscaling and per-replica resources come from the Serve config (`deployments:` of the application);
+the defaults below only make a bare `Policy.bind(...)` runnable on a 2-core machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from ray import serve
+
+from app.default_model import resolve_model
+from app.engines import Completion, EngineName, SamplingConfig, make_engine
+
+logger = logging.getLogger("ray.serve")
+
+
+class PolicyConfig(BaseModel):
+    """What one policy replica loads and how it batches. Sizes are per replica."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field("default", description='"default", "default:tiny", an HF folder, a checkpoint or a hub id')
+    engine: EngineName = "auto"
+    dtype: str = "float32"
+    max_model_len: int = Field(1024, ge=16)
+    kv_cache_bytes: int = Field(256 * 2**20, ge=16 * 2**20, description="vLLM KV cache on CPU")
+    gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0)
+    max_batch_size: int = Field(256, ge=1)
+    batch_wait_timeout_s: float = Field(0.005, ge=0.0)
+    seed: int = 0
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0.25}, max_ongoing_requests=1024)
+class Policy:
+    def __init__(self, config: dict[str, Any] | PolicyConfig | None = None):
+        self.config = PolicyConfig.model_validate(config or {})
+        self.model_path = resolve_model(self.config.model)
+        self.engine = make_engine(
+            self.config.engine, self.model_path, dtype=self.config.dtype, max_model_len=self.config.max_model_len,
+            kv_cache_bytes=self.config.kv_cache_bytes, gpu_memory_utilization=self.config.gpu_memory_utilization,
+            seed=self.config.seed,
+        )
+        self.tokenizer = self.engine.tokenizer
+        self.version = 0
+        # The engine runs one batch at a time; weight updates wait for the running batch (and vice versa), so every
+        # reply is produced by exactly one weight version.
+        self._engine_lock = asyncio.Lock()
+        self._generate_batch.set_max_batch_size(self.config.max_batch_size)
+        self._generate_batch.set_batch_wait_timeout_s(self.config.batch_wait_timeout_s)
+        try:
+            self.replica_id = serve.get_replica_context().replica_id.unique_id
+        except Exception:  # not inside Serve (in-process use in benchmarks)
+            self.replica_id = "local"
+        logger.info("policy replica %s: engine %s, model %s", self.replica_id, self.engine.name, self.model_path)
+
+    # ---- generation -------------------------------------------------------------------------------------------
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def encode_text(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    @serve.batch(max_batch_size=256, batch_wait_timeout_s=0.005)
+    async def _generate_batch(self, items: list[tuple[list[int], SamplingConfig]]) -> list[dict[str, Any]]:
+        async with self._engine_lock:
+            version = self.version
+            started = time.perf_counter()
+            completions = await asyncio.to_thread(
+                self.engine.generate, [ids for ids, _ in items], [params for _, params in items]
+            )
+            seconds = time.perf_counter() - started
+        return [self._reply(c, version, seconds, len(items)) for c in completions]
+
+    def _reply(self, c: Completion, version: int, seconds: float, batch: int) -> dict[str, Any]:
+        return {
+            "text": c.text, "token_ids": c.token_ids, "logprobs": c.logprobs, "finish_reason": c.finish_reason,
+            "prompt_token_ids": c.prompt_token_ids, "weight_version": version, "replica_id": self.replica_id,
+            "engine_seconds": seconds, "batch_size": batch,
+        }
+
+    def _check_length(self, ids: list[int], params: SamplingConfig) -> None:
+        if len(ids) + params.max_tokens > self.config.max_model_len:
+            raise ValueError(f"prompt of {len(ids)} tokens + max_tokens {params.max_tokens} exceeds max_model_len "
+                             f"{self.config.max_model_len}; shorten the prompt or lower max_tokens")
+        if not ids:
+            raise ValueError("empty prompt")
+
+    async def generate(self, prompts: list[list[int]] | list[str] | list[list[dict[str, str]]],
+                       sampling: dict[str, Any] | SamplingConfig | None = None) -> list[dict[str, Any]]:
+        """Generate one reply per prompt. A prompt is token ids, a raw text, or a chat (list of messages, formatted
+        with the model's chat template). Concurrent callers are batched together into one engine call."""
+        try:
+            params = sampling if isinstance(sampling, SamplingConfig) else SamplingConfig.model_validate(sampling or {})
+        except ValidationError as e:  # re-raised as a plain ValueError: it crosses Ray with its type intact
+            raise ValueError(f"invalid sampling settings: {e}") from None
+        encoded = [self._encode(p) for p in prompts]
+        for ids in encoded:
+            self._check_length(ids, params)
+        return list(await asyncio.gather(*(self._generate_batch((ids, params)) for ids in encoded)))
+
+    def _encode(self, prompt: list[int] | str | list[dict[str, str]]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.encode_text(prompt)
+        if prompt and isinstance(prompt[0], dict):
+            return self.encode_chat(prompt)  # type: ignore[arg-type]
+        return [int(t) for t in prompt]  # type: ignore[union-attr]
+
+    # ---- weights -----------------------------------------------------------------------------------------------
+    async def update_weights(self, state_dict: dict[str, np.ndarray], version: int) -> dict[str, Any]:
+        """Load a full state dict (numpy arrays, zero-copy out of the object store) as weight `version`.
+        Versions only go up: an older or equal version is refused, so a late broadcast can never roll back."""
+        if version <= self.version:
+            raise ValueError(f"weight version {version} is not newer than the replica's {self.version}")
+        started = time.perf_counter()
+        async with self._engine_lock:
+            await asyncio.to_thread(self.engine.load_weights, state_dict)
+            self.version = version
+        return {"replica_id": self.replica_id, "version": version, "seconds": time.perf_counter() - started}
+
+    async def info(self) -> dict[str, Any]:
+        return {"replica_id": self.replica_id, "version": self.version, "engine": self.engine.name,
+                "model_path": self.model_path, "max_model_len": self.config.max_model_len}
+
+
+def build_policy_app(args: dict[str, Any]) -> serve.Application:
+    """`serve run` entry: `import_path: app.policy:build_policy_app`, `args:` a PolicyConfig."""
+    return Policy.bind(PolicyConfig.model_validate(args).model_dump())

@@ -1,0 +1,53 @@
+"""One Ray cluster (and one Serve instance) per test session: start-up costs seconds, so tests share it."""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+# Quiet, reproducible, and no writes to the user's home: everything the tests build goes to one session folder.
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("RAYGENT_CACHE", str(Path(tempfile.gettempdir()) / f"raygent-test-cache-{os.getuid()}"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    import ray
+
+    # Logical CPUs above the 2 real cores: replicas, env actors and train workers mostly wait on each other.
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {k: os.environ[k] for k in ("RAYGENT_CACHE", "TOKENIZERS_PARALLELISM")}})
+    yield ray
+    from ray import serve
+
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def serve_url(ray_cluster) -> str:
+    from ray import serve
+
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    return f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="session")
+def default_model() -> str:
+    from app.default_model import resolve_model
+
+    return resolve_model("default")

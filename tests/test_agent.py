@@ -1,0 +1,141 @@
+"""The agent endpoint over real HTTP: the official openai client, /v1/act sessions, /v1/episodes, and 4xx for
+every kind of bad request (never a 500)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+
+import httpx
+import pytest
+import yaml
+
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.slow
+
+TOKEN = "test-secret-token"
+
+
+@pytest.fixture(scope="module")
+def agent(serve_url):
+    """The agent app exactly as serve_configs/agent.yaml describes it, plus auth and a second policy replica."""
+    from ray import serve
+
+    from app.agent import AgentAPI, AgentConfig
+    from app.policy import Policy
+
+    spec = yaml.safe_load((REPO / "serve_configs" / "agent.yaml").read_text())["applications"][0]
+    config = AgentConfig.model_validate({**spec["args"], "auth_token": TOKEN, "max_request_bytes": 64 * 1024})
+    app = AgentAPI.bind(Policy.options(num_replicas=2).bind(config.policy.model_dump()), config.model_dump())
+    serve.run(app, name="agent", route_prefix="/")
+    yield serve_url
+    serve.delete("agent")
+
+
+@pytest.fixture()
+def client(agent):
+    with httpx.Client(base_url=agent, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture()
+def openai_client(agent):
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{agent}/v1", api_key=TOKEN, max_retries=0, timeout=120)
+
+
+def test_openai_client_models_chat_and_completions(openai_client):
+    models = openai_client.models.list().data
+    assert len(models) == 1
+    name = models[0].id
+    chat = openai_client.chat.completions.create(
+        model=name, messages=[{"role": "user", "content": "Sokoban: move the box."}], max_tokens=8,
+        temperature=1.0, seed=3, logprobs=True)
+    choice = chat.choices[0]
+    assert choice.finish_reason in ("stop", "length")
+    assert chat.usage.completion_tokens == len(choice.logprobs.content) > 0
+    assert all(t.logprob <= 0 for t in choice.logprobs.content)
+    assert "".join(t.token for t in choice.logprobs.content).strip() == choice.message.content.strip()
+
+    stream = openai_client.chat.completions.create(
+        model=name, messages=[{"role": "user", "content": "Sokoban: move the box."}], max_tokens=8,
+        temperature=1.0, seed=3, stream=True)
+    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    assert streamed == choice.message.content  # same seed, same reply
+
+    completion = openai_client.completions.create(model=name, prompt="#_P_X#", max_tokens=6, logprobs=0,
+                                                  temperature=0.0)
+    assert len(completion.choices[0].logprobs.token_logprobs) == completion.usage.completion_tokens
+
+
+def test_concurrent_http_requests(openai_client):
+    def ask(i: int) -> str:
+        r = openai_client.chat.completions.create(model=openai_client.models.list().data[0].id,
+                                                  messages=[{"role": "user", "content": f"step {i}"}], max_tokens=4)
+        return r.choices[0].finish_reason
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        assert all(f in ("stop", "length") for f in pool.map(ask, range(16)))
+
+
+def test_act_keeps_memory_per_session(client):
+    first = client.post("/v1/act", json={"env": "sokoban", "observation": "######\n#P_X_#\n######"})
+    assert first.status_code == 200, first.text
+    body = first.json()
+    sid = body["session_id"]
+    assert body["step"] == 1 and "#P_X_#" in body["prompt"]
+    assert body["valid_format"] == (body["action"] is not None)
+
+    second = client.post("/v1/act", json={"env": "sokoban", "session_id": sid, "reward": -0.1,
+                                          "observation": "######\n#_PX_#\n######"}).json()
+    assert second["step"] == 2
+    assert "#P_X_#" in second["prompt"], "the session's memory did not carry the first observation"
+
+    other = client.post("/v1/act", json={"env": "sokoban", "observation": "######\n#_PX_#\n######"}).json()
+    assert other["session_id"] != sid and "#P_X_#" not in other["prompt"]
+    assert client.delete(f"/v1/act/{sid}").json()["deleted"]
+    assert client.delete(f"/v1/act/{sid}").status_code == 404
+
+
+def test_episode_plays_a_whole_episode(client):
+    r = client.post("/v1/episodes", json={"env": "sokoban", "seed": 5, "temperature": 1.0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert 1 <= body["steps"] == len(body["trajectory"]) <= 15
+    assert body["return"] == pytest.approx(sum(s["reward"] for s in body["trajectory"]))
+    assert isinstance(body["won"], bool)
+
+
+BAD_REQUESTS = [
+    # (method, path, headers, body, expected status, words the message must contain)
+    ("POST", "/v1/chat/completions", {}, b"{not json", 400, "invalid request"),
+    ("POST", "/v1/chat/completions", {}, json.dumps({"messages": []}).encode(), 400, "messages"),
+    ("POST", "/v1/chat/completions", {}, json.dumps({"messages": [{"role": "robot", "content": "x"}]}).encode(),
+     400, "role"),
+    ("POST", "/v1/chat/completions", {}, json.dumps(
+        {"messages": [{"role": "user", "content": "x"}], "max_tokens": 100000}).encode(), 400, "max_tokens"),
+    ("POST", "/v1/chat/completions", {}, json.dumps(
+        {"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}).encode(), 400, "temperature"),
+    ("POST", "/v1/chat/completions", {}, json.dumps(
+        {"model": "gpt-5", "messages": [{"role": "user", "content": "x"}]}).encode(), 404, "unknown model"),
+    ("POST", "/v1/chat/completions", {}, json.dumps(
+        {"messages": [{"role": "user", "content": "word " * 3000}]}).encode(), 400, "max_model_len"),
+    ("POST", "/v1/completions", {}, json.dumps({"prompt": ""}).encode(), 400, "prompt"),
+    ("POST", "/v1/act", {}, json.dumps({"env": "no-such-env", "observation": "x"}).encode(), 400, "unknown"),
+    ("POST", "/v1/act", {}, json.dumps({"env": "sokoban"}).encode(), 400, "observation"),
+    ("POST", "/v1/episodes", {}, json.dumps({"env": "sokoban", "seed": "x"}).encode(), 400, "seed"),
+    ("POST", "/v1/chat/completions", {}, b"x" * (70 * 1024), 413, "larger than"),
+    ("POST", "/v1/chat/completions", {"Authorization": "Bearer wrong"}, b"{}", 401, "bearer token"),
+    ("GET", "/v1/models", {"Authorization": ""}, None, 401, "bearer token"),
+    ("GET", "/v1/nothing-here", {}, None, 404, "not found"),
+]
+
+
+@pytest.mark.parametrize(("method", "path", "headers", "body", "status", "words"), BAD_REQUESTS)
+def test_bad_requests_get_a_clear_4xx(client, method, path, headers, body, status, words):
+    r = client.request(method, path, content=body, headers={"Content-Type": "application/json", **headers})
+    assert r.status_code == status, r.text
+    message = r.json()["error"]["message"]
+    assert words.lower() in message.lower(), message

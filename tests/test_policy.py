@@ -1,0 +1,113 @@
+"""The policy deployment on a real Serve instance: both engines, log-probs against a transformers forward pass,
+in-place weight updates on every replica, batching across concurrent callers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import load_file
+
+pytestmark = pytest.mark.slow
+
+SAMPLING = {"temperature": 1.0, "max_tokens": 12, "seed": 7}
+CHAT = [{"role": "user", "content": "You are playing Sokoban.\n######\n#_P_X#\n#__O_#\n######\nYour move?"}]
+# float32 weights in both engines: the engine's log-probs equal a plain forward pass up to kernel rounding.
+LOGPROB_TOLERANCE = 1e-3
+
+
+@pytest.fixture(scope="module")
+def policies(serve_url, default_model):
+    from ray import serve
+
+    from app.policy import Policy
+
+    handles = {
+        "vllm": serve.run(Policy.options(num_replicas=2).bind({"model": default_model, "engine": "vllm"}),
+                          name="policy-vllm", route_prefix=None),
+        "hf": serve.run(Policy.options(num_replicas=1).bind({"model": default_model, "engine": "hf"}),
+                        name="policy-hf", route_prefix=None),
+    }
+    yield handles
+    serve.delete("policy-vllm")
+    serve.delete("policy-hf")
+
+
+def forward_logprobs(model, prompt_ids: list[int], token_ids: list[int]) -> np.ndarray:
+    ids = torch.tensor([prompt_ids + token_ids])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids).logits[0].float(), dim=-1)
+    rows = torch.arange(len(prompt_ids) - 1, len(prompt_ids) - 1 + len(token_ids))
+    return logp[rows, torch.tensor(token_ids)].numpy()
+
+
+@pytest.fixture(scope="module")
+def hf_model(default_model):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(default_model, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("engine", ["vllm", "hf"])
+def test_generation_logprobs_match_a_forward_pass(policies, hf_model, engine):
+    replies = policies[engine].generate.remote([CHAT, CHAT, "#_P_X#"], SAMPLING).result()
+    assert len(replies) == 3
+    for r in replies:
+        assert r["token_ids"], "the engine generated nothing"
+        assert len(r["logprobs"]) == len(r["token_ids"])
+        assert r["weight_version"] == 0
+        expected = forward_logprobs(hf_model, r["prompt_token_ids"], r["token_ids"])
+        np.testing.assert_allclose(r["logprobs"], expected, atol=LOGPROB_TOLERANCE)
+    # The same seed reproduces the same sample.
+    again = policies[engine].generate.remote([CHAT], SAMPLING).result()[0]
+    assert again["token_ids"] == replies[0]["token_ids"]
+
+
+def test_both_engines_agree_on_greedy_tokens(policies):
+    greedy = {"temperature": 0.0, "max_tokens": 8}
+    v = policies["vllm"].generate.remote([CHAT], greedy).result()[0]
+    h = policies["hf"].generate.remote([CHAT], greedy).result()[0]
+    assert v["prompt_token_ids"] == h["prompt_token_ids"]
+    assert v["token_ids"] == h["token_ids"]
+
+
+@pytest.mark.parametrize("engine", ["vllm", "hf"])
+def test_weight_update_reaches_every_replica_and_restores(ray_cluster, policies, default_model, engine):
+    handle = policies[engine]
+    original = load_file(f"{default_model}/model.safetensors")
+    rng = np.random.default_rng(0)
+    perturbed = {k: v + rng.normal(0, 0.05, v.shape).astype(v.dtype) for k, v in original.items()}
+    before = handle.generate.remote([CHAT], SAMPLING).result()[0]
+    start = max(i["version"] for i in handle.broadcast("info").results())
+
+    handle.broadcast("update_weights", ray_cluster.put(perturbed), start + 1).results()
+    assert {i["version"] for i in handle.broadcast("info").results()} == {start + 1}
+    changed = handle.generate.remote([CHAT], SAMPLING).result()[0]
+    assert changed["weight_version"] == start + 1
+    assert changed["token_ids"] != before["token_ids"] or not np.allclose(changed["logprobs"], before["logprobs"])
+
+    # Versions only go up: re-sending an old version is refused and changes nothing.
+    with pytest.raises(ValueError, match="not newer"):
+        handle.broadcast("update_weights", ray_cluster.put(original), start + 1).results()
+
+    handle.broadcast("update_weights", ray_cluster.put(original), start + 2).results()
+    restored = handle.generate.remote([CHAT], SAMPLING).result()[0]
+    assert restored["weight_version"] == start + 2
+    assert restored["token_ids"] == before["token_ids"]
+    np.testing.assert_allclose(restored["logprobs"], before["logprobs"], atol=1e-5)
+
+
+def test_two_replicas_serve_concurrent_requests_in_batches(policies):
+    handle = policies["vllm"]
+    responses = [handle.generate.remote([CHAT] * 4, {"temperature": 1.0, "max_tokens": 4}) for _ in range(16)]
+    replies = [r for resp in responses for r in resp.result()]
+    assert len(replies) == 64
+    assert len({r["replica_id"] for r in replies}) == 2
+    assert max(r["batch_size"] for r in replies) > 4, "concurrent callers were not batched together"
+
+
+def test_policy_refuses_bad_input(policies):
+    with pytest.raises(ValueError, match="max_model_len"):
+        policies["hf"].generate.remote(["x" * 5000], {"max_tokens": 8}).result()
+    with pytest.raises(ValueError):
+        policies["hf"].generate.remote([CHAT], {"temperature": -1}).result()
