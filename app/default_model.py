@@ -139,6 +139,7 @@ def resolve_model(name: str, cache_dir: Path | None = None) -> str:
     if name == DEFAULT_NAME or name.startswith(DEFAULT_NAME + ":"):
         preset = name.partition(":")[2]
         if preset not in PRESETS:
-            raise ValueError(f"unknown default-model preset {preset!r}; allowed: {sorted(p or 'default' for p in PRESETS)}")
+            allowed = sorted(DEFAULT_NAME + (":" + p if p else "") for p in PRESETS)
+            raise ValueError(f"unknown default-model preset {preset!r}; allowed: {allowed}")
         return str(build_default_model(PRESETS[preset], cache_dir))
     return name
