@@ -1,0 +1,409 @@
+"""The controller actor: runs a training run's iterations, owns the weight version, broadcasts new weights to every
+policy replica, schedules validation and checkpoints, and answers status queries while it works.
+
+One iteration, as a loop you can read top to bottom (`_iteration`):
+  rollout (env-group actors x policy replicas) -> Ray Dataset of step records -> advantages per group
+  -> the long-lived Train job (one shard per worker) -> new weights -> broadcast -> log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import ray
+
+import envs
+from actors.checkpoint import latest_checkpoint, load_state, save_checkpoint, write_model_template
+from actors.env_group import EnvGroupActor
+from actors.metrics import MetricsSink
+from actors.trainer import TrainerGroup
+from algorithms import (apply_invalid_action_penalty, compute_advantages, dynamic_sampling_mask,
+                        step_group_stats)
+
+logger = logging.getLogger("raygent")
+
+DEMO_SEED_INDEX = 1_000_000  # warm-start demonstrations draw training seeds from an index RL never reaches
+
+
+def add_advantages(batch: pa.Table, *, estimator: str, params: dict[str, Any], penalty: float,
+                   dynamic_sampling: bool) -> pa.Table:
+    """Ray Data map_batches function over one env-group actor's block, which holds whole groups."""
+    rewards = apply_invalid_action_penalty(batch["reward"].to_numpy(), batch["valid"].to_numpy(), penalty)
+    group_ids, traj_ids = batch["group_id"].to_numpy(), batch["traj_id"].to_numpy()
+    anchors = np.asarray(batch["anchor"].to_pylist(), dtype=object)
+    advantages = compute_advantages(estimator, group_ids, traj_ids, anchors, rewards, **params)
+    table = batch.append_column("advantage", pa.array(advantages, pa.float32()))
+    if dynamic_sampling:
+        table = table.filter(pa.array(dynamic_sampling_mask(group_ids, traj_ids, rewards)))
+    return table
+
+
+def _setup_logging() -> None:
+    if not any(getattr(h, "_raygent", False) for h in logger.handlers):
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("[raygent] %(message)s"))
+        handler._raygent = True  # type: ignore[attr-defined]
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+
+
+@ray.remote(num_cpus=0, max_restarts=0)
+class Controller:
+    def __init__(self, config: dict[str, Any], policy: Any, model_path: str, resume_from: str | None = None):
+        from app.config import TrainConfig
+
+        _setup_logging()
+        self.cfg = TrainConfig.model_validate(config)
+        self.config_dict = config
+        self.policy = policy
+        self.model_path = model_path
+        self.resume_from = Path(resume_from) if resume_from else None
+        self.run_dir = self.cfg.run_dir
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.iteration = 0  # the next iteration to run
+        self.version = 0
+        self.phase = "starting"
+        self.error: str | None = None
+        self.last_metrics: dict[str, Any] = {}
+        self.latest_weights: Any = None
+        self.last_checkpoint: str | None = None
+        self.warm_start_done = False
+        self._stop = False
+        self._checkpoint_waiters: list[asyncio.Future] = []
+        self._task: asyncio.Task | None = None
+        self.started_at = time.time()
+
+    # ---- control surface (called by the training app's HTTP routes) ------------------------------------------
+    async def start(self) -> bool:
+        """Start the run loop once; later calls (e.g. a restarted ingress replica) are no-ops."""
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._main())
+            return True
+        return False
+
+    def status(self) -> dict[str, Any]:
+        return {"run_name": self.cfg.run_name, "phase": self.phase, "iteration": self.iteration,
+                "iterations": self.cfg.iterations, "weight_version": self.version,
+                "done": self.phase in ("done", "stopped", "failed"), "error": self.error,
+                "last_checkpoint": self.last_checkpoint, "run_dir": str(self.run_dir),
+                "last_metrics": self.last_metrics, "uptime_s": time.time() - self.started_at}
+
+    def history(self) -> list[dict[str, Any]]:
+        return self.sink.records if hasattr(self, "sink") else []
+
+    def request_stop(self) -> dict[str, Any]:
+        """Graceful: the running iteration finishes, a checkpoint is written, the trainer stops."""
+        self._stop = True
+        return {"stopping": True, "iteration": self.iteration}
+
+    async def request_checkpoint(self) -> dict[str, Any]:
+        """A checkpoint at the end of the running iteration (now, if the run is over)."""
+        if self.phase in ("done", "stopped", "failed") or self.latest_weights is None:
+            if self.latest_weights is None:
+                return {"checkpoint": self.last_checkpoint, "note": "no trained weights yet"}
+            path = await self._checkpoint()
+            return {"checkpoint": str(path)}
+        waiter = asyncio.get_running_loop().create_future()
+        self._checkpoint_waiters.append(waiter)
+        return {"checkpoint": str(await waiter)}
+
+    # ---- the run ---------------------------------------------------------------------------------------------
+    async def _main(self) -> None:
+        try:
+            await self._run()
+        except Exception as e:
+            self.phase, self.error = "failed", f"{type(e).__name__}: {e}"
+            logger.exception("the run failed")
+        finally:
+            for w in self._checkpoint_waiters:
+                if not w.done():
+                    w.set_result(self.last_checkpoint)
+
+    async def _setup(self) -> None:
+        cfg = self.cfg
+        resumed = None
+        if self.resume_from is not None:
+            resumed = load_state(self.resume_from)
+            self.iteration, self.version = resumed["iteration"], resumed["weight_version"]
+            self.warm_start_done = resumed.get("warm_start_done", False)
+            self.last_checkpoint = str(self.resume_from)
+            logger.info("resuming %s from %s (next iteration %d)", cfg.run_name, self.resume_from, self.iteration)
+        self.sink = MetricsSink(self.run_dir, cfg.run_name, cfg.logging, self.config_dict, resume=resumed is not None)
+        (self.run_dir / "config.json").write_text(json.dumps(self.config_dict, indent=2))
+        self.template = write_model_template(self.model_path, self.run_dir / "model_template")
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.env_actors = [self._make_env_actor() for _ in range(cfg.rollout.num_env_actors)]
+        await asyncio.gather(*(a.ready.remote() for a in self.env_actors))
+        optimizer_state = self.resume_from / "optimizer.pt" if self.resume_from else None
+        self.trainer = TrainerGroup(cfg.run_name, str(self.run_dir), cfg.trainer, {
+            "model_path": self.model_path, "ref_model_path": self.model_path, "optim": cfg.optim.model_dump(),
+            "seed": cfg.seed, "pad_id": pad_id,
+            "optimizer_state": str(optimizer_state) if optimizer_state and optimizer_state.exists() else None,
+        })
+        self.trainer.start()
+        # The replicas start from `model_path` at version 0; name that state with the resumed version.
+        self.version = max(self.version, 0)
+
+    def _make_env_actor(self):
+        cfg = self.cfg
+        return EnvGroupActor.options(num_cpus=cfg.rollout.env_actor_cpus).remote(
+            cfg.env.name, cfg.env_kwargs, cfg.memory.name, cfg.memory.kwargs, self.model_path, self.policy,
+            cfg.policy.max_model_len)
+
+    async def _run(self) -> None:
+        cfg = self.cfg
+        await self._setup()
+        self.phase = "baseline"
+        val_seeds = envs.group_seeds(cfg.seed, 0, cfg.validation.n_envs, "val")
+        if self.iteration == 0 and not self.warm_start_done:
+            random_success = await self.env_actors[0].random_policy_success.remote(val_seeds.tolist(), cfg.seed)
+            self._log({"iteration": 0, "phase": "baseline", "val/random_policy_success": random_success})
+            logger.info("random admissible-action policy: %.1f%% success on %d held-out seeds",
+                        100 * random_success, len(val_seeds))
+            if cfg.validation.every:
+                await self._validate(val_seeds, tag="untrained")
+        if cfg.warm_start.enabled and not self.warm_start_done:
+            await self._warm_start(val_seeds)
+        self.phase = "training"
+        while self.iteration < cfg.iterations and not self._stop:
+            it = self.iteration
+            record = await self._iteration(it)
+            self.iteration = it + 1
+            last = self.iteration == cfg.iterations
+            if cfg.validation.every and (last or self.iteration % cfg.validation.every == 0):
+                record.update(await self._validate(val_seeds, log=False))
+            if self._checkpoint_waiters or last or self._stop or (
+                    cfg.checkpoint.every and self.iteration % cfg.checkpoint.every == 0):
+                t0 = time.perf_counter()
+                path = await self._checkpoint()
+                record["time/checkpoint_s"] = time.perf_counter() - t0
+                for w in self._checkpoint_waiters:
+                    w.set_result(path)
+                self._checkpoint_waiters.clear()
+            self._log(record)
+            self._print_line(record)
+        if self._stop and self.latest_weights is not None and self.last_checkpoint is None:
+            await self._checkpoint()
+        await self.trainer.stop()
+        self.phase = "stopped" if self._stop and self.iteration < cfg.iterations else "done"
+        self.sink.close()
+        logger.info("run %s %s after %d iterations; checkpoint: %s. Serve it: set policy.model to %s/model "
+                    "in serve_configs/agent.yaml", cfg.run_name, self.phase, self.iteration, self.last_checkpoint,
+                    self.last_checkpoint)
+
+    # ---- one iteration ---------------------------------------------------------------------------------------
+    async def _iteration(self, it: int) -> dict[str, Any]:
+        cfg = self.cfg
+        t_start = time.perf_counter()
+        await self._sync_replicas()
+        seeds = envs.group_seeds(cfg.seed, it, cfg.rollout.n_groups, "train")
+        tables, roll = await self._rollout(seeds, cfg.rollout.group_size, self._sampling(cfg.rollout.temperature))
+        t_rollout = time.perf_counter()
+        record: dict[str, Any] = {"iteration": it + 1, "phase": "train", **self._rollout_metrics(roll, "train")}
+        if not tables:
+            logger.error("iteration %d: every env-group actor failed; nothing to train on", it)
+            return record
+        # Ray Data calls block on tasks (block metadata, materialize, split): off the event loop, so /status answers.
+        ds, summary, shards = await asyncio.to_thread(self._build_dataset, tables)
+        if ds is None:
+            logger.warning("iteration %d: %d rows after filtering; skipping the update", it, len(summary))
+            return record
+        t_data = time.perf_counter()
+        stats = step_group_stats(summary["group_id"].to_numpy(), summary["anchor"].to_numpy())
+        record.update({"data/rows": len(summary), "data/step_group_share": stats["step_group_share"],
+                       "data/step_group_mean_size": stats["step_group_mean_size"],
+                       "data/advantage_abs_mean": float(np.abs(summary["advantage"]).mean()),
+                       "data/advantage_std": float(summary["advantage"].std())})
+        results = await self.trainer.run({"kind": "rl", "shards": shards, "want_weights": True})
+        t_train = time.perf_counter()
+        record.update({f"train/{k}": v for k, v in results[0]["metrics"].items()})
+        await self._broadcast(results[0]["weights"][0])
+        t_end = time.perf_counter()
+        record.update({"weight_version": self.version, "time/rollout_s": t_rollout - t_start,
+                       "time/dataset_s": t_data - t_rollout, "time/train_s": t_train - t_data,
+                       "time/broadcast_s": t_end - t_train, "time/iteration_s": t_end - t_start})
+        return record
+
+    def _build_dataset(self, tables: list[Any]):
+        """The iteration's Dataset from the env-group actors' blocks (never gathered here), advantages per block
+        (each block holds whole groups), then one equal shard per training worker."""
+        algo = self.cfg.algorithm
+        ds = ray.data.from_arrow_refs(tables).map_batches(
+            add_advantages, batch_size=None, batch_format="pyarrow", zero_copy_batch=True, num_cpus=0.25,
+            fn_kwargs={"estimator": algo.estimator, "params": algo.params, "penalty": algo.invalid_action_penalty,
+                       "dynamic_sampling": algo.dynamic_sampling}).materialize()
+        summary = ds.select_columns(["group_id", "anchor", "advantage"]).to_pandas()
+        if len(summary) < self.cfg.trainer.num_workers:
+            return None, summary, None
+        return ds, summary, ds.split(self.cfg.trainer.num_workers, equal=True)
+
+    def _sampling(self, temperature: float) -> dict[str, Any]:
+        r = self.cfg.rollout
+        return {"temperature": temperature, "top_p": r.top_p, "max_tokens": r.max_tokens}
+
+    async def _rollout(self, seeds: np.ndarray, group_size: int, sampling: dict[str, Any], record: bool = True
+                       ) -> tuple[list[Any], list[dict[str, Any]]]:
+        """Spread the groups over the env-group actors. A failed actor's groups are re-rolled once on the restarted
+        actor, then dropped and counted: the iteration goes on with what the others produced."""
+        slices = [s for s in np.array_split(np.arange(len(seeds)), len(self.env_actors)) if len(s)]
+        cfg = self.cfg.rollout
+
+        async def one(k: int, part: np.ndarray):
+            for attempt in range(2):
+                actor = self.env_actors[k]
+                table_ref, metrics_ref = actor.rollout.remote(
+                    seeds[part].tolist(), group_size, int(part[0]), sampling, cfg.requests_per_step, record)
+                try:
+                    metrics = await metrics_ref
+                    return table_ref, metrics
+                except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
+                    what = "re-rolling" if attempt == 0 else "dropping"
+                    logger.warning("env-group actor %d failed (%s); %s its %d groups", k,
+                                   type(e).__name__, what, len(part))
+                    self._fault_counts[0 if attempt == 0 else 1] += len(part)
+                    if isinstance(e, ray.exceptions.RayActorError):
+                        await self._revive_env_actor(k)
+            return None
+
+        self._fault_counts = [0, 0]
+        done = await asyncio.gather(*(one(k, part) for k, part in enumerate(slices)))
+        ok = [d for d in done if d is not None]
+        metrics = [m for _, m in ok]
+        for m in metrics[:1]:
+            m["rerolled_groups"], m["dropped_groups"] = self._fault_counts
+        if not metrics:
+            metrics = [{"episodes": 0, "rerolled_groups": self._fault_counts[0],
+                        "dropped_groups": self._fault_counts[1]}]
+        return [t for t, _ in ok], metrics
+
+    async def _revive_env_actor(self, k: int) -> None:
+        """Wait for Ray to restart the actor (max_restarts=-1); replace it if it cannot come back."""
+        try:
+            await asyncio.wait_for(self.env_actors[k].ready.remote(), timeout=60)
+        except Exception:
+            self.env_actors[k] = self._make_env_actor()
+            await self.env_actors[k].ready.remote()
+
+    def _rollout_metrics(self, parts: list[dict[str, Any]], prefix: str) -> dict[str, Any]:
+        def total(key: str) -> float:
+            return float(sum(p.get(key, 0) for p in parts))
+
+        episodes, steps = max(total("episodes"), 1), max(total("steps"), 1)
+        seconds = max(max((p.get("seconds", 0.0) for p in parts), default=0.0), 1e-9)
+        out = {f"{prefix}/success_rate": total("won") / episodes, f"{prefix}/return": total("return_sum") / episodes,
+               f"{prefix}/episode_length": total("steps") / episodes,
+               f"{prefix}/valid_action_ratio": total("valid_steps") / steps, f"{prefix}/episodes": int(total("episodes"))}
+        if prefix == "train":
+            out.update({"perf/env_steps_per_s": total("steps") / seconds,
+                        "perf/tokens_per_s": total("generated_tokens") / seconds,
+                        "perf/prompt_tokens_per_step": total("prompt_tokens") / steps,
+                        "faults/rerolled_groups": int(total("rerolled_groups")),
+                        "faults/dropped_groups": int(total("dropped_groups")),
+                        "faults/prompt_too_long": int(total("prompt_too_long"))})
+        return out
+
+    async def _validate(self, val_seeds: np.ndarray, tag: str = "val", log: bool = True) -> dict[str, Any]:
+        prev, self.phase = self.phase, "validating"
+        t0 = time.perf_counter()
+        _, parts = await self._rollout(val_seeds, 1, self._sampling(self.cfg.validation.temperature), record=False)
+        record = self._rollout_metrics(parts, "val")
+        record["time/validation_s"] = time.perf_counter() - t0
+        self.phase = prev
+        if log:
+            self._log({"iteration": self.iteration, "phase": tag, **record})
+            logger.info("validation (%s): success %.1f%%, return %.2f, valid actions %.1f%%", tag,
+                        100 * record["val/success_rate"], record["val/return"], 100 * record["val/valid_action_ratio"])
+        return record
+
+    async def _sync_replicas(self) -> None:
+        """A replica that restarted came back with the starting weights: bring every replica to the latest."""
+        if self.latest_weights is None:
+            return
+        infos = await self.policy.broadcast("info").results_async()
+        if any(i["version"] != self.version for i in infos):
+            logger.warning("replica versions %s differ from %d: re-broadcasting", [i["version"] for i in infos],
+                           self.version)
+            await self._broadcast(self.latest_weights)
+
+    async def _broadcast(self, weights_ref: Any) -> None:
+        self.version += 1
+        self.latest_weights = weights_ref
+        await self.policy.broadcast("update_weights", weights_ref, self.version).results_async()
+
+    async def _checkpoint(self) -> Path:
+        weights = await self.latest_weights
+        state = {"iteration": self.iteration, "weight_version": self.version, "seed": self.cfg.seed,
+                 "warm_start_done": self.warm_start_done, "run_name": self.cfg.run_name, "time": time.time(),
+                 "config": self.config_dict}
+
+        async def save_optimizer(path: str) -> None:
+            await self.trainer.run({"kind": "save_optimizer", "path": path})
+
+        path = await save_checkpoint(self.run_dir, self.iteration, weights, self.template, state,
+                                     self.cfg.checkpoint.keep, save_optimizer)
+        self.last_checkpoint = str(path)
+        return path
+
+    # ---- supervised warm start -------------------------------------------------------------------------------
+    async def _warm_start(self, val_seeds: np.ndarray) -> None:
+        from ray.experimental.tqdm_ray import tqdm
+
+        ws = self.cfg.warm_start
+        self.phase = "warm_start"
+        seeds = envs.group_seeds(self.cfg.seed, DEMO_SEED_INDEX, ws.demo_seeds, "train")
+        parts = [p for p in np.array_split(seeds, len(self.env_actors)) if len(p)]
+        calls = [a.demonstrations.remote(p.tolist(), ws.expert_prob, self.cfg.seed + k)
+                 for k, (a, p) in enumerate(zip(self.env_actors, parts, strict=False))]
+        tables = [t for t, _ in calls]
+        n_rows = sum(m["rows"] for m in await asyncio.gather(*(m for _, m in calls)))
+        ds = await asyncio.to_thread(lambda: ray.data.from_arrow_refs(tables).materialize())
+        shards = await asyncio.to_thread(ds.split, self.cfg.trainer.num_workers, True)
+        logger.info("warm start: %d demonstration steps from %d episodes", n_rows, len(seeds))
+        bar = tqdm(total=ws.steps, desc="warm start (supervised)")
+        done, first = 0, True
+        while done < ws.steps:
+            steps = min(ws.eval_every, ws.steps - done)
+            results = await self.trainer.run({"kind": "sft", "shards": shards if first else None, "steps": steps,
+                                              "batch_size": ws.batch_size, "lr": ws.lr, "want_weights": True})
+            first = False
+            done += steps
+            bar.update(steps)
+            await self._broadcast(results[0]["weights"][0])
+            val = await self._validate(val_seeds, log=False)
+            self._log({"iteration": 0, "phase": "warm_start", "warm_start/step": done,
+                       **{f"warm_start/{k}": v for k, v in results[0]["metrics"].items()}, **val})
+            logger.info("warm start step %d/%d: loss %.3f, held-out success %.1f%%", done, ws.steps,
+                        results[0]["metrics"].get("sft_loss", float("nan")), 100 * val["val/success_rate"])
+            if val["val/success_rate"] >= ws.target_success:
+                break
+        bar.close()
+        self.warm_start_done = True
+        await self._checkpoint()
+        self.phase = "training"
+
+    # ---- output ----------------------------------------------------------------------------------------------
+    def _log(self, record: dict[str, Any]) -> None:
+        record = {"time": time.time(), **record}
+        self.last_metrics = record
+        self.sink.log(record)
+
+    def _print_line(self, r: dict[str, Any]) -> None:
+        val = f" | val success {100 * r['val/success_rate']:.1f}%" if "val/success_rate" in r else ""
+        logger.info(
+            "iter %d/%d | success %.1f%% | return %.2f | valid %.1f%% | steps/s %.0f | rollout %.1fs data %.1fs "
+            "train %.1fs bcast %.2fs%s", r["iteration"], self.cfg.iterations, 100 * r.get("train/success_rate", 0),
+            r.get("train/return", 0.0), 100 * r.get("train/valid_action_ratio", 0), r.get("perf/env_steps_per_s", 0),
+            r.get("time/rollout_s", 0), r.get("time/dataset_s", 0), r.get("time/train_s", 0),
+            r.get("time/broadcast_s", 0), val)
