@@ -46,6 +46,11 @@ def add_advantages(batch: pa.Table, *, estimator: str, params: dict[str, Any], p
     return table
 
 
+def _quiet_ray_data() -> None:
+    """One console line per iteration is the run's progress display; Ray Data's own bars would bury it."""
+    ray.data.DataContext.get_current().enable_progress_bars = False
+
+
 def _setup_logging() -> None:
     if not any(getattr(h, "_raygent", False) for h in logger.handlers):
         handler = logging.StreamHandler(sys.stdout)
@@ -62,6 +67,7 @@ class Controller:
         from app.config import TrainConfig
 
         _setup_logging()
+        _quiet_ray_data()
         self.cfg = TrainConfig.model_validate(config)
         self.config_dict = config
         self.policy = policy
@@ -208,9 +214,11 @@ class Controller:
         cfg = self.cfg
         t_start = time.perf_counter()
         await self._sync_replicas()
+        self.phase = "rollout"
         seeds = envs.group_seeds(cfg.seed, it, cfg.rollout.n_groups, "train")
         tables, roll = await self._rollout(seeds, cfg.rollout.group_size, self._sampling(cfg.rollout.temperature))
         t_rollout = time.perf_counter()
+        self.phase = "learning"
         record: dict[str, Any] = {"iteration": it + 1, "phase": "train", **self._rollout_metrics(roll, "train")}
         if not tables:
             logger.error("iteration %d: every env-group actor failed; nothing to train on", it)
@@ -343,6 +351,7 @@ class Controller:
         await self.policy.broadcast("update_weights", weights_ref, self.version).results_async()
 
     async def _checkpoint(self) -> Path:
+        prev, self.phase = self.phase, "checkpointing"
         weights = await self.latest_weights
         state = {"iteration": self.iteration, "weight_version": self.version, "seed": self.cfg.seed,
                  "warm_start_done": self.warm_start_done, "run_name": self.cfg.run_name, "time": time.time(),
@@ -354,6 +363,7 @@ class Controller:
         path = await save_checkpoint(self.run_dir, self.iteration, weights, self.template, state,
                                      self.cfg.checkpoint.keep, save_optimizer)
         self.last_checkpoint = str(path)
+        self.phase = prev
         return path
 
     # ---- supervised warm start -------------------------------------------------------------------------------
@@ -369,7 +379,7 @@ class Controller:
         tables = [t for t, _ in calls]
         n_rows = sum(m["rows"] for m in await asyncio.gather(*(m for _, m in calls)))
         ds = await asyncio.to_thread(lambda: ray.data.from_arrow_refs(tables).materialize())
-        shards = await asyncio.to_thread(ds.split, self.cfg.trainer.num_workers, True)
+        shards = await asyncio.to_thread(lambda: ds.split(self.cfg.trainer.num_workers, equal=True))
         logger.info("warm start: %d demonstration steps from %d episodes", n_rows, len(seeds))
         bar = tqdm(total=ws.steps, desc="warm start (supervised)")
         done, first = 0, True

@@ -55,13 +55,18 @@ def cache_root() -> Path:
     return Path(os.environ.get("RAYGENT_CACHE", Path.home() / ".cache" / "raygent"))
 
 
+# The envs whose prompts the default tokenizer is trained on. Fixed, not `envs.list_envs()`: adding an env must not
+# change the default model. Text of other envs still tokenizes (byte-level BPE), in more, shorter pieces.
+CORPUS_ENVS = ("sokoban", "treasure_hunt", "numberline", "ezpoints", "points24", "blackjack")
+
+
 def tokenizer_corpus(seeds: int = 40) -> list[str]:
-    """Prompts and replies of every built-in env, as the agent sees them: the tokenizer learns exactly this text."""
+    """Prompts and replies of the core built-in envs, as the agent sees them: the tokenizer learns this text."""
     import envs
     import memory
 
     texts = []
-    for name in envs.list_envs():
+    for name in CORPUS_ENVS:
         env = envs.make(name)
         for seed in range(seeds):
             mem = memory.make("simple", k=2)

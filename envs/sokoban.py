@@ -223,6 +223,7 @@ class Sokoban(TextEnv):
         num_boxes: int = 1,
         max_steps: int = 15,
         num_gen_steps: int | tuple[int, int] = (10, 20),
+        show_positions: bool = False,
     ):
         height, width = dim_room
         if min(height, width) < 3 or (height - 2) * (width - 2) < num_boxes + 1:
@@ -232,6 +233,9 @@ class Sokoban(TextEnv):
         self.dim_room = (height, width)
         self.num_boxes = num_boxes
         self.num_gen_steps = num_gen_steps
+        # Row/column numbers under the grid: a small model reads "box row 3 col 2" far more easily than it counts
+        # cells across lines (see README, "The CPU default"). Derived from the state alone, so anchors stay exact.
+        self.show_positions = show_positions
         self.room: Room | None = None
 
     def _new_episode(self, options: dict[str, Any] | None) -> None:
@@ -243,7 +247,16 @@ class Sokoban(TextEnv):
             self.room = generate_room(self.np_random, self.dim_room, self.num_boxes, self.num_gen_steps)
 
     def _observe(self) -> str:
-        return render_grid(self.room)
+        grid = render_grid(self.room)
+        if not self.show_positions:
+            return grid
+
+        def where(cells) -> str:
+            width = self.room.width
+            return ", ".join(f"row {cell // width} col {cell % width}" for cell in sorted(cells))
+
+        return (f"{grid}\nYou: {where([self.room.player])}. Boxes: {where(self.room.boxes)}. "
+                f"Targets: {where(self.room.targets)}.")
 
     def admissible_actions(self) -> list[str]:
         return list(MOVES)

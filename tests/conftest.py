@@ -51,3 +51,8 @@ def default_model() -> str:
     from app.default_model import resolve_model
 
     return resolve_model("default")
+
+
+def pytest_collection_modifyitems(config, items):
+    """End-to-end `serve run` tests go last: when `serve run` exits it shuts Serve down for the whole cluster."""
+    items.sort(key=lambda item: "test_train_e2e" in item.nodeid)

@@ -1,0 +1,137 @@
+"""Arithmetic word problems solved with tools: the tool-calling agent loop on a task with a checkable answer.
+
+Each turn the reply holds either a tool call, ``<tool_call>{"name": "calculator", "arguments": {"expression":
+"3 * 4"}}</tool_call>`` (its result, or its error, becomes the next observation), or the final ``<answer>N</answer>``
+(ends the episode: reward 1.0 and `won` when N equals the answer, else 0). Problems are generated here (GSM8K-like,
+2-4 operations, whole-number answers) or loaded from a GSM8K-format JSONL file (`data=`).
+
+What counts as invalid (nothing moves, `invalid_reward`): no <tool_call> or <answer> tag, a tool call that is not a
+JSON object with a "name", or an answer without a number. A call the tool refuses (unknown tool, arguments that fail
+the schema, an error inside the tool) is a valid turn whose observation is the error text, flagged in
+`info["tool_error"]`, so the agent can read it and try again.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from envs.base import Outcome, TextEnv
+from envs.data import clip, squash, to_charset
+from envs.data.arithmetic import Problem, generate_problem, load_gsm8k, parse_number
+from envs.tools import Tool, ToolCall, ToolError, ToolRegistry, find_tagged, parse_call, render_call
+
+TAGS = ("tool_call", "answer")
+
+
+@functools.lru_cache(maxsize=4)
+def _problems(path: str) -> list[Problem]:
+    return load_gsm8k(path)
+
+
+class MathTool(TextEnv):
+    """Solve an arithmetic word problem; call tools over several turns, then answer."""
+
+    name = "math_tool"
+    task_description = ("Math with tools: solve the word problem. You may call a tool; its result is shown next "
+                        "turn. Finish with the final number.")
+    example_action = '<tool_call>{"name": "calculator", "arguments": {"expression": "(12 + 3) * 4"}}</tool_call>'
+    max_steps = 6
+    prompt_template = (
+        "{task}\n"
+        "Tools:\n{tools}\n"
+        "{memory}"
+        "Current state:\n{observation}\n"
+        "Admissible actions: {actions}\n"
+        'Reply with one tool call <tool_call>{{"name": ..., "arguments": {{...}}}}</tool_call> or the final answer '
+        "<answer>number</answer> (an <action></action> wrapper around either is optional), e.g. {example}"
+    )
+
+    def __init__(self, data: str | None = None, tools: tuple[str | Tool, ...] | list[str | Tool] = ("calculator",),
+                 max_steps: int | None = None, max_output_chars: int = 600, registry: ToolRegistry | None = None):
+        super().__init__(max_steps=max_steps, max_obs_chars=2048 + max_output_chars)
+        self.data = data
+        self.registry = registry or ToolRegistry(tools)
+        self.max_output_chars = max_output_chars
+        self.problem = Problem("", 0)
+        self._last: str | None = None
+        self._last_ok = False  # the last tool call succeeded (the expert then answers)
+        self._tool_error = False
+
+    def _new_episode(self, options: dict[str, Any] | None) -> None:
+        if self.data:
+            problems = _problems(str(self.data))
+            self.problem = problems[int(self.np_random.integers(len(problems)))]
+        else:
+            self.problem = generate_problem(self.np_random)
+        self._last, self._last_ok = None, False
+
+    def _observe(self) -> str:
+        text = f"Question: {to_charset(self.problem.question)}"
+        if self._last is not None:
+            text += f"\n{self._last}"
+        return clip(text, self.observation_space.max_length)
+
+    def admissible_actions(self) -> list[str]:
+        calls = [render_call(ToolCall(t.name, {k: "..." for k in t.args_model.model_fields}))
+                 for t in self.registry.tools.values()]
+        return [*calls, "<answer>...</answer>"]
+
+    def match_action(self, reply: str) -> str | None:
+        """The canonical action in a raw reply: a tool call re-serialised (tool and argument names as declared,
+        values validated) or ``<answer>N</answer>`` with N as a plain number; None when there is neither."""
+        found = find_tagged(reply, TAGS)
+        if found is None:
+            return None
+        tag, text = found
+        if tag == "answer":
+            value = parse_number(text)
+            return None if value is None else f"<answer>{_format(value)}</answer>"
+        try:
+            call = parse_call(text)
+        except ToolError:
+            return None
+        try:
+            tool, args = self.registry.validate(call)
+            call = ToolCall(tool.name, args.model_dump(mode="json"))
+        except ToolError:
+            pass  # a refused call is still a turn: the error is shown by _apply
+        try:
+            return render_call(call)
+        except (TypeError, ValueError):  # arguments JSON cannot re-encode (e.g. NaN oddities): treat as malformed
+            return None
+
+    def _apply(self, action: str) -> Outcome:
+        tag, text = find_tagged(action, TAGS)  # type: ignore[misc]  # canonical, so always found
+        if tag == "answer":
+            won = parse_number(text) == float(self.problem.answer)
+            return Outcome(1.0 if won else 0.0, terminated=True, won=won, key_event=f"answered {text}")
+        result = self.registry.run(text)
+        self._tool_error, self._last_ok = not result.ok, result.ok
+        name = result.call.name if result.call else "tool"
+        output = clip(to_charset(result.output), self.max_output_chars)
+        self._last = f"Tool {squash(name)} returned: {output}" if result.ok else f"Tool {squash(name)} failed: {output}"
+        return Outcome(0.0)
+
+    def step(self, reply: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        self._tool_error = False
+        obs, reward, terminated, truncated, info = super().step(reply)
+        info["tool_error"] = self._tool_error
+        return obs, reward, terminated, truncated, info
+
+    def expert_action(self) -> str | None:
+        """Ask the calculator for the solving expression (generated problems carry it) until it answers, then
+        answer."""
+        if self.problem.expression and not self._last_ok and "calculator" in self.registry.tools:
+            return render_call(ToolCall("calculator", {"expression": self.problem.expression}))
+        return f"<answer>{_format(float(self.problem.answer))}</answer>"
+
+    def build_prompt(self, observation: str, memory_text: str = "") -> str:
+        memory = self.memory_template.format(memory=memory_text) if memory_text else ""
+        return self.prompt_template.format(task=self.task_description, tools=self.registry.describe(), memory=memory,
+                                           observation=observation, actions=", ".join(self.admissible_actions()),
+                                           example=self.example_action)
+
+
+def _format(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else repr(float(value))

@@ -1,0 +1,148 @@
+"""End to end, as a user runs it: `serve run serve_configs/test_tiny.yaml` as a subprocess (on the session's Ray
+cluster), polled over HTTP until done; every replica on the new weight version; a checkpoint that the agent
+endpoint serves; an env-group actor killed mid-rollout without losing the run; and `resume: auto` continuing a
+stopped run at the next iteration. These run last (conftest): `serve run` shuts Serve down when it exits."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from tests.conftest import REPO, free_port
+
+pytestmark = pytest.mark.slow
+SERVE = str(Path(sys.executable).with_name("serve"))
+
+
+class ServeRun:
+    """`serve run CONFIG` in the background, from the repo root (serve run puts it on the import path)."""
+
+    def __init__(self, config: Path, log: Path, address: str):
+        env = {**os.environ, "RAY_ADDRESS": address, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "token")}
+        self.log = log
+        self.proc = subprocess.Popen([SERVE, "run", str(config)], cwd=REPO, env=env, stdout=log.open("w"),
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)  # a backgrounded serve run ignores SIGINT
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def wait_for(predicate, timeout: float, what: str, run: ServeRun):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if run.proc.poll() is not None:
+            pytest.fail(f"serve run exited ({run.proc.returncode}) while waiting for {what}:\n"
+                        + run.log.read_text()[-3000:])
+        try:
+            value = predicate()
+            if value:
+                return value
+        except (httpx.HTTPError, KeyError, ValueError):
+            pass
+        time.sleep(1.0)
+    pytest.fail(f"timed out waiting for {what}:\n" + run.log.read_text()[-3000:])
+
+
+def write_config(tmp_path: Path, port: int, iterations: int, name: str = "config.yaml") -> Path:
+    spec = yaml.safe_load((REPO / "serve_configs" / "test_tiny.yaml").read_text())
+    spec["http_options"]["port"] = port
+    args = spec["applications"][0]["args"]
+    args["output_dir"] = str(tmp_path / "runs")
+    args["iterations"] = iterations
+    args["checkpoint"]["every"] = 2
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def get_status(url: str) -> dict:
+    return httpx.get(f"{url}/status", timeout=5).json()
+
+
+def env_actor_pids() -> list[int]:
+    from ray.util.state import list_actors
+
+    return [a.pid for a in list_actors(filters=[("class_name", "=", "EnvGroupActor"), ("state", "=", "ALIVE")])]
+
+
+def test_train_kill_checkpoint_serve_and_resume(ray_cluster, tmp_path):
+    from ray import serve
+
+    from app.agent import build_agent_app
+
+    address = ray_cluster.get_runtime_context().gcs_address
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    run = ServeRun(write_config(tmp_path, port, iterations=4), tmp_path / "run1.log", address)
+    try:
+        # Kill one env-group actor while a rollout is in flight; retry until a rollout was really hit.
+        for _ in range(5):
+            wait_for(lambda: get_status(url)["phase"] in ("rollout", "done"), 240, "a rollout", run)
+            if get_status(url)["done"]:
+                break
+            os.kill(env_actor_pids()[0], signal.SIGKILL)
+            wait_for(lambda: get_status(url)["phase"] != "rollout", 120, "the rollout to end", run)
+            history = httpx.get(f"{url}/metrics/history", timeout=5).json()
+            if sum(r.get("faults/rerolled_groups", 0) + r.get("faults/dropped_groups", 0) for r in history):
+                break
+        status = wait_for(lambda: (s := get_status(url))["done"] and s, 300, "the run to finish", run)
+        assert status["phase"] == "done", status
+        assert status["iteration"] == 4
+
+        history = httpx.get(f"{url}/metrics/history", timeout=5).json()
+        train = [r for r in history if r.get("phase") == "train"]
+        assert [r["iteration"] for r in train] == [1, 2, 3, 4], "an iteration was lost"
+        assert sum(r["faults/rerolled_groups"] + r["faults/dropped_groups"] for r in train) > 0, \
+            "the killed actor's groups were neither re-rolled nor counted as dropped"
+        assert all(r["data/rows"] > 0 for r in train)
+        assert "val/random_policy_success" in history[0]
+        assert any("val/success_rate" in r for r in train)
+
+        # Every replica reports the final weight version.
+        policy = serve.get_deployment_handle("Policy", app_name="train")
+        versions = {i["version"] for i in policy.broadcast("info").results()}
+        assert versions == {status["weight_version"]} and status["weight_version"] == 4
+
+        checkpoint = Path(status["last_checkpoint"])
+        assert checkpoint.name == "iter_000004"
+        for f in ("model/model.safetensors", "model/config.json", "model/tokenizer.json", "optimizer.pt",
+                  "state.json"):
+            assert (checkpoint / f).exists(), f
+        assert not list(checkpoint.parent.glob(".tmp-*")), "a temporary checkpoint folder was left behind"
+
+        # The agent endpoint serves the checkpoint as it is.
+        serve.run(build_agent_app({"policy": {"model": str(checkpoint / "model"), "engine": "hf"}}),
+                  name="agent-ckpt", route_prefix="/ckpt")
+        episode = httpx.post(f"{url}/ckpt/v1/episodes", json={"env": "sokoban", "seed": 1}, timeout=120).json()
+        assert episode["steps"] >= 1 and isinstance(episode["won"], bool)
+        assert httpx.get(f"{url}/ckpt/v1/models", timeout=10).json()["data"][0]["id"] == "model"
+    finally:
+        run.stop()
+
+    # Resume: the same run with more iterations continues at iteration 5 from the latest checkpoint.
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    run = ServeRun(write_config(tmp_path, port, iterations=6, name="config2.yaml"), tmp_path / "run2.log", address)
+    try:
+        status = wait_for(lambda: (s := get_status(url))["done"] and s, 400, "the resumed run to finish", run)
+        assert status["phase"] == "done" and status["iteration"] == 6
+        history = httpx.get(f"{url}/metrics/history", timeout=5).json()
+        train = [r["iteration"] for r in history if r.get("phase") == "train"]
+        assert train == [1, 2, 3, 4, 5, 6], train  # resumed history: nothing repeated, nothing skipped
+        assert "resuming" in run.log.read_text()
+    finally:
+        run.stop()
