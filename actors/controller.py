@@ -21,12 +21,11 @@ import pyarrow as pa
 import ray
 
 import envs
-from actors.checkpoint import latest_checkpoint, load_state, save_checkpoint, write_model_template
+from actors.checkpoint import load_state, save_checkpoint, write_model_template
 from actors.env_group import EnvGroupActor
 from actors.metrics import MetricsSink
 from actors.trainer import TrainerGroup
-from algorithms import (apply_invalid_action_penalty, compute_advantages, dynamic_sampling_mask,
-                        step_group_stats)
+from algorithms import apply_invalid_action_penalty, compute_advantages, dynamic_sampling_mask, step_group_stats
 
 logger = logging.getLogger("raygent")
 

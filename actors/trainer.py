@@ -116,10 +116,10 @@ def _rows(shard) -> dict[str, list]:
 
 def train_loop_per_worker(cfg: dict[str, Any]) -> None:
     """Runs on every Train worker for the whole run."""
+    import ray.train
     import torch
     import torch.distributed as dist
 
-    import ray.train
     from actors.learner import collate, mean_metrics, micro_batches, rl_loss, sft_loss, token_logprobs
     from app.config import OptimConfig
 
