@@ -404,7 +404,9 @@ class Controller:
 
     # ---- output ----------------------------------------------------------------------------------------------
     def _log(self, record: dict[str, Any]) -> None:
-        record = {"time": time.time(), **record}
+        # NaN/inf (e.g. a mean over no rows) become null: JSON readers and the HTTP status must never choke on them.
+        record = {"time": time.time(), **{k: (None if isinstance(v, float) and not np.isfinite(v) else v)
+                                          for k, v in record.items()}}
         self.last_metrics = record
         self.sink.log(record)
 
