@@ -74,9 +74,16 @@ def get_status(url: str) -> dict:
 
 
 def env_actor_pids() -> list[int]:
-    from ray.util.state import list_actors
+    """Worker processes of live env-group actors (Ray titles them `ray::EnvGroupActor...`); the session cluster runs
+    without the dashboard, so the state API is not there to ask."""
+    import psutil
 
-    return [a.pid for a in list_actors(filters=[("class_name", "=", "EnvGroupActor"), ("state", "=", "ALIVE")])]
+    pids = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = " ".join(proc.info["cmdline"] or [])
+        if cmdline.startswith("ray::EnvGroupActor"):
+            pids.append(proc.pid)
+    return pids
 
 
 def test_train_kill_checkpoint_serve_and_resume(ray_cluster, tmp_path):
