@@ -98,7 +98,7 @@ def test_train_kill_checkpoint_serve_and_resume(ray_cluster, tmp_path):
     try:
         # Kill one env-group actor while a rollout is in flight; retry until a rollout was really hit.
         for _ in range(5):
-            wait_for(lambda: get_status(url)["phase"] in ("rollout", "done"), 240, "a rollout", run)
+            wait_for(lambda: get_status(url)["phase"] in ("rollout", "done"), 900, "a rollout", run)
             if get_status(url)["done"]:
                 break
             os.kill(env_actor_pids()[0], signal.SIGKILL)
@@ -106,7 +106,7 @@ def test_train_kill_checkpoint_serve_and_resume(ray_cluster, tmp_path):
             history = httpx.get(f"{url}/metrics/history", timeout=5).json()
             if sum(r.get("faults/rerolled_groups", 0) + r.get("faults/dropped_groups", 0) for r in history):
                 break
-        status = wait_for(lambda: (s := get_status(url))["done"] and s, 300, "the run to finish", run)
+        status = wait_for(lambda: (s := get_status(url))["done"] and s, 900, "the run to finish", run)
         assert status["phase"] == "done", status
         assert status["iteration"] == 4
 
@@ -145,7 +145,7 @@ def test_train_kill_checkpoint_serve_and_resume(ray_cluster, tmp_path):
     url = f"http://127.0.0.1:{port}"
     run = ServeRun(write_config(tmp_path, port, iterations=6, name="config2.yaml"), tmp_path / "run2.log", address)
     try:
-        status = wait_for(lambda: (s := get_status(url))["done"] and s, 400, "the resumed run to finish", run)
+        status = wait_for(lambda: (s := get_status(url))["done"] and s, 900, "the resumed run to finish", run)
         assert status["phase"] == "done" and status["iteration"] == 6
         history = httpx.get(f"{url}/metrics/history", timeout=5).json()
         train = [r["iteration"] for r in history if r.get("phase") == "train"]
