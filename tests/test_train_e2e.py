@@ -16,7 +16,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.conftest import REPO, free_port
+from tests.conftest import REPO
 
 pytestmark = pytest.mark.slow
 SERVE = str(Path(sys.executable).with_name("serve"))
@@ -86,14 +86,16 @@ def env_actor_pids() -> list[int]:
     return pids
 
 
-def test_train_kill_checkpoint_serve_and_resume(ray_cluster, tmp_path):
+def test_train_kill_checkpoint_serve_and_resume(ray_cluster, serve_url, tmp_path):
     from ray import serve
 
     from app.agent import build_agent_app
 
+    # The cluster has one Serve instance whose HTTP port is fixed when it starts: both runs use the session's port,
+    # so the configs agree with the running instance (or with the one `serve run` starts after the first exits).
     address = ray_cluster.get_runtime_context().gcs_address
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
+    url = serve_url
+    port = int(url.rsplit(":", 1)[1])
     run = ServeRun(write_config(tmp_path, port, iterations=4), tmp_path / "run1.log", address)
     try:
         # Kill one env-group actor while a rollout is in flight; retry until a rollout was really hit.
@@ -141,8 +143,7 @@ def test_train_kill_checkpoint_serve_and_resume(ray_cluster, tmp_path):
         run.stop()
 
     # Resume: the same run with more iterations continues at iteration 5 from the latest checkpoint.
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
+    serve.delete("agent-ckpt")
     run = ServeRun(write_config(tmp_path, port, iterations=6, name="config2.yaml"), tmp_path / "run2.log", address)
     try:
         status = wait_for(lambda: (s := get_status(url))["done"] and s, 900, "the resumed run to finish", run)
