@@ -144,9 +144,11 @@ def test_train_kill_checkpoint_serve_and_resume(ray_cluster, serve_url, tmp_path
 
     # Resume: the same run with more iterations continues at iteration 5 from the latest checkpoint.
     serve.delete("agent-ckpt")
+    serve.delete("train")  # whatever serve run left behind: the next status must come from the resumed run
     run = ServeRun(write_config(tmp_path, port, iterations=6, name="config2.yaml"), tmp_path / "run2.log", address)
     try:
-        status = wait_for(lambda: (s := get_status(url))["done"] and s, 900, "the resumed run to finish", run)
+        status = wait_for(lambda: (s := get_status(url))["done"] and s["iteration"] >= 5 and s, 900,
+                          "the resumed run to finish", run)
         assert status["phase"] == "done" and status["iteration"] == 6
         history = httpx.get(f"{url}/metrics/history", timeout=5).json()
         train = [r["iteration"] for r in history if r.get("phase") == "train"]
