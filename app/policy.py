@@ -127,8 +127,11 @@ class Policy:
         return {"replica_id": self.replica_id, "version": version, "seconds": time.perf_counter() - started}
 
     async def info(self) -> dict[str, Any]:
+        import torch
+
         return {"replica_id": self.replica_id, "version": self.version, "engine": self.engine.name,
-                "model_path": self.model_path, "max_model_len": self.config.max_model_len}
+                "model_path": self.model_path, "max_model_len": self.config.max_model_len,
+                "torch_threads": torch.get_num_threads()}
 
 
 def build_policy_app(args: dict[str, Any]) -> serve.Application:
