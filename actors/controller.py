@@ -22,6 +22,7 @@ import ray
 
 import envs
 from actors.checkpoint import load_state, save_checkpoint, write_model_template
+from actors.demonstrations import demo_seeds
 from actors.env_group import EnvGroupActor
 from actors.metrics import MetricsSink
 from actors.trainer import TrainerGroup
@@ -29,7 +30,6 @@ from algorithms import apply_invalid_action_penalty, compute_advantages, dynamic
 
 logger = logging.getLogger("raygent")
 
-DEMO_SEED_INDEX = 1_000_000  # warm-start demonstrations draw training seeds from an index RL never reaches
 
 
 def add_advantages(batch: pa.Table, *, estimator: str, params: dict[str, Any], penalty: float,
@@ -371,7 +371,7 @@ class Controller:
 
         ws = self.cfg.warm_start
         self.phase = "warm_start"
-        seeds = envs.group_seeds(self.cfg.seed, DEMO_SEED_INDEX, ws.demo_seeds, "train")
+        seeds = demo_seeds(self.cfg.seed, ws.demo_seeds)
         parts = [p for p in np.array_split(seeds, len(self.env_actors)) if len(p)]
         calls = [a.demonstrations.remote(p.tolist(), ws.expert_prob, self.cfg.seed + k)
                  for k, (a, p) in enumerate(zip(self.env_actors, parts, strict=False))]

@@ -20,7 +20,8 @@ import ray
 
 import envs
 import memory
-from actors.prompting import agent_messages
+from actors.demonstrations import make_demonstrations
+from actors.prompting import encode_prompt
 
 logger = logging.getLogger("raygent")
 
@@ -47,7 +48,6 @@ class EnvGroupActor:
         self.env_name, self.env_kwargs = env_name, env_kwargs
         self.memory_name, self.memory_kwargs = memory_name, memory_kwargs
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.eos_id = self.tokenizer.eos_token_id
         self.policy = policy
         self.max_model_len = max_model_len
 
@@ -55,9 +55,7 @@ class EnvGroupActor:
         return True
 
     def _encode(self, env: Any, observation: str, mem: Any) -> list[int]:
-        messages = agent_messages(env, observation, mem.render())
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return encode_prompt(self.tokenizer, env, observation, mem.render())
 
     async def _generate(self, prompts: list[list[int]], sampling: dict[str, Any], chunks: int) -> list[dict]:
         parts = [p.tolist() for p in np.array_split(np.arange(len(prompts)), min(chunks, len(prompts)))]
@@ -138,28 +136,10 @@ class EnvGroupActor:
     @ray.method(num_returns=2)
     def demonstrations(self, seeds: Sequence[int], expert_prob: float, rng_seed: int) -> tuple[pa.Table, dict]:
         """Warm-start data: states visited by a player that follows the env's expert with probability
-        `expert_prob` (else a random admissible action), each labelled with the expert's action as the reply."""
-        rng = np.random.default_rng(rng_seed)
-        prompts, responses = [], []
-        for seed in seeds:
-            env = envs.make(self.env_name, **self.env_kwargs)
-            mem = memory.make(self.memory_name, **self.memory_kwargs)
-            observation, info = env.reset(seed=int(seed))
-            for _ in range(env.max_steps):
-                expert = env.expert_action()
-                if expert is None:
-                    break
-                prompt = self._encode(env, observation, mem)
-                prompts.append(prompt)
-                responses.append(self.tokenizer.encode(f"<action>{expert}</action>", add_special_tokens=False)
-                                 + [self.eos_id])
-                actions = info["admissible_actions"]
-                action = expert if (rng.random() < expert_prob or not actions) else actions[rng.integers(len(actions))]
-                next_observation, reward, terminated, truncated, info = env.step(f"<action>{action}</action>")
-                mem.store(observation, info.get("action"), reward, info)
-                observation = next_observation
-                if terminated or truncated:
-                    break
+        `expert_prob` (else a random admissible action), each labelled with the expert's action as the reply
+        (`actors.demonstrations.make_demonstrations`, shared with `raygent sft`)."""
+        prompts, responses = make_demonstrations(self.tokenizer, self.env_name, self.env_kwargs, self.memory_name,
+                                                  self.memory_kwargs, seeds, expert_prob, rng_seed)
         table = pa.table({"prompt_ids": pa.array(prompts, pa.list_(pa.int32())),
                           "response_ids": pa.array(responses, pa.list_(pa.int32()))})
         return table, {"rows": len(prompts), "episodes": len(seeds)}

@@ -79,6 +79,22 @@ def sft_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[to
     return loss, {"sft_loss": loss.item()}
 
 
+def sft_backward(model: torch.nn.Module, prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]],
+                 rows: Sequence[int], pad_id: int, micro_batch_size: int, device: torch.device | str = "cpu"
+                 ) -> list[dict[str, float]]:
+    """Accumulate one supervised step's gradients over `rows`, micro-batched; each micro-batch's loss is weighted by
+    its share of the rows, so the gradient is that of one batch. The caller clips and steps (the Train worker loop
+    and `raygent sft` do this the same way). Returns each micro-batch's metrics."""
+    metrics = []
+    for sl in micro_batches(len(rows), micro_batch_size):
+        sub = rows[sl]
+        batch = collate([prompt_ids[i] for i in sub], [response_ids[i] for i in sub], pad_id)
+        loss, m = sft_loss(model, {k: v.to(device) for k, v in batch.items()})
+        (loss * (len(sub) / len(rows))).backward()
+        metrics.append(m)
+    return metrics
+
+
 def micro_batches(n_rows: int, size: int) -> list[slice]:
     return [slice(i, min(i + size, n_rows)) for i in range(0, n_rows, size)]
 

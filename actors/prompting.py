@@ -1,5 +1,5 @@
-"""How an env observation becomes the policy's input, in one place: training rollouts and the agent endpoint both
-call this, so a served agent sees prompts built exactly as in training."""
+"""How an env observation becomes the policy's input, in one place: training rollouts, the warm-start
+demonstrations and the agent endpoint all call this, so a served agent sees prompts built exactly as in training."""
 
 from __future__ import annotations
 
@@ -9,3 +9,10 @@ from typing import Any
 def agent_messages(env: Any, observation: str, memory_text: str) -> list[dict[str, str]]:
     """The chat the policy answers: one user turn with the env's prompt (task, memory, observation, actions, format)."""
     return [{"role": "user", "content": env.build_prompt(observation, memory_text)}]
+
+
+def encode_prompt(tokenizer: Any, env: Any, observation: str, memory_text: str) -> list[int]:
+    """The prompt's token ids: the chat template with the generation prompt, no extra special tokens."""
+    text = tokenizer.apply_chat_template(agent_messages(env, observation, memory_text), add_generation_prompt=True,
+                                         tokenize=False)
+    return tokenizer.encode(text, add_special_tokens=False)

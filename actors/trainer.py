@@ -120,7 +120,7 @@ def train_loop_per_worker(cfg: dict[str, Any]) -> None:
     import torch
     import torch.distributed as dist
 
-    from actors.learner import collate, mean_metrics, micro_batches, rl_loss, sft_loss, token_logprobs
+    from actors.learner import collate, mean_metrics, micro_batches, rl_loss, sft_backward, token_logprobs
     from app.config import OptimConfig
 
     ctx = ray.train.get_context()
@@ -208,13 +208,8 @@ def train_loop_per_worker(cfg: dict[str, Any]) -> None:
         metrics = []
         for _ in range(steps):
             idx = rng.choice(n, size=min(local, n), replace=False)
-            for sl in micro_batches(len(idx), optim.micro_batch_size):
-                sub = idx[sl]
-                batch = to_device(collate([data["prompt_ids"][i] for i in sub],
-                                          [data["response_ids"][i] for i in sub], pad_id))
-                loss, m = sft_loss(model, batch)
-                (loss * (len(sub) / len(idx))).backward()
-                metrics.append(m)
+            metrics += sft_backward(model, data["prompt_ids"], data["response_ids"], idx, pad_id,
+                                    optim.micro_batch_size, device)
             optimizer_step()
         for group in optimizer.param_groups:
             group["lr"] = optim.lr

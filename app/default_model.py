@@ -140,11 +140,13 @@ def build_default_model(spec: DefaultModelSpec = DefaultModelSpec(), cache_dir: 
 
 
 def resolve_model(name: str, cache_dir: Path | None = None) -> str:
-    """"default" or "default:PRESET" -> the built folder; anything else (a folder, a checkpoint, a hub id) as is."""
+    """"default" or "default:PRESET" -> the built folder; a local folder (a checkpoint's model/, a `raygent sft`
+    output) -> its absolute path, so Ray workers with another working directory find it; a hub id as is."""
     if name == DEFAULT_NAME or name.startswith(DEFAULT_NAME + ":"):
         preset = name.partition(":")[2]
         if preset not in PRESETS:
             allowed = sorted(DEFAULT_NAME + (":" + p if p else "") for p in PRESETS)
             raise ValueError(f"unknown default-model preset {preset!r}; allowed: {allowed}")
         return str(build_default_model(PRESETS[preset], cache_dir))
-    return name
+    local = Path(name).expanduser()
+    return str(local.resolve()) if local.is_dir() else name
