@@ -97,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
         "sft", help="supervised warm start on the env's expert (planner) actions; writes an HF model folder",
         description="Supervised fine-tuning on expert demonstrations, in this process (no Ray): the training app's "
                     "warm start on its own. Reads policy.model, env, memory, seed and warm_start from a training "
-                    "config (or takes ENV and flags), prints one line per evaluation (step, loss, held-out greedy "
+                    "config (or takes ENV and flags), prints one line per evaluation (step, loss, held-out "
                     "success) and writes an HF folder usable as policy.model of a training run.")
     sft.add_argument("env", nargs="?", help="env name or package.module:Class (instead of --config)")
     sft.add_argument("--config", help="training config: a Serve config such as serve_configs/train.yaml, or its args")

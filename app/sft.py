@@ -103,9 +103,10 @@ def _check_out_dir(out: Path) -> None:
 
 
 # ---- held-out evaluation ---------------------------------------------------------------------------------------
-def greedy_replies(model: Any, tokenizer: Any, prompts: Sequence[Sequence[int]], max_tokens: int,
-                   device: Any) -> list[str]:
-    """Greedy replies to a batch of token-id prompts (left-padded, one `generate` call), cut at EOS."""
+def sample_replies(model: Any, tokenizer: Any, prompts: Sequence[Sequence[int]], max_tokens: int,
+                   device: Any, temperature: float = 0.0) -> list[str]:
+    """Replies to a batch of token-id prompts (left-padded, one `generate` call; greedy at temperature 0), cut at
+    EOS."""
     import torch
 
     eos = tokenizer.eos_token_id
@@ -117,7 +118,9 @@ def greedy_replies(model: Any, tokenizer: Any, prompts: Sequence[Sequence[int]],
         input_ids[row, width - len(ids):] = torch.tensor(list(ids), dtype=torch.long)
         attention[row, width - len(ids):] = 1
     out = model.generate(input_ids=input_ids.to(device), attention_mask=attention.to(device),
-                         max_new_tokens=max_tokens, do_sample=False, temperature=None, top_p=None, top_k=None,
+                         max_new_tokens=max_tokens, do_sample=temperature > 0,
+                         temperature=temperature if temperature > 0 else None, top_p=None,
+                         top_k=0 if temperature > 0 else None,
                          eos_token_id=eos, pad_token_id=pad)
     replies = []
     for ids in out[:, width:].tolist():
@@ -128,8 +131,10 @@ def greedy_replies(model: Any, tokenizer: Any, prompts: Sequence[Sequence[int]],
 
 
 def evaluate(model: Any, tokenizer: Any, cfg: TrainConfig, seeds: Sequence[int], device: Any) -> dict[str, float]:
-    """One greedy episode per held-out seed, all envs stepped together, prompts built as in training. A prompt
-    longer than max_model_len ends its episode unwon, as in the rollouts."""
+    """One episode per held-out seed at `validation.temperature` (as the training app validates), all envs stepped
+    together, prompts built as in training. A prompt longer than max_model_len ends its episode unwon, as in the
+    rollouts."""
+    import torch
     from actors.prompting import encode_prompt
 
     was_training = model.training
@@ -142,6 +147,7 @@ def evaluate(model: Any, tokenizer: Any, cfg: TrainConfig, seeds: Sequence[int],
     returns = np.zeros(len(games))
     steps = valid = too_long = 0
     max_tokens = cfg.rollout.max_tokens
+    torch.manual_seed(cfg.seed)  # the same sampled evaluation for the same weights
     while not done.all():
         live = [int(i) for i in np.flatnonzero(~done)]
         prompts = {i: encode_prompt(tokenizer, games[i], observations[i], mems[i].render()) for i in live}
@@ -152,7 +158,8 @@ def evaluate(model: Any, tokenizer: Any, cfg: TrainConfig, seeds: Sequence[int],
         live = [i for i in live if not done[i]]
         if not live:
             break
-        replies = greedy_replies(model, tokenizer, [prompts[i] for i in live], max_tokens, device)
+        replies = sample_replies(model, tokenizer, [prompts[i] for i in live], max_tokens, device,
+                                 cfg.validation.temperature)
         for i, reply in zip(live, replies, strict=True):
             observation, reward, terminated, truncated, info = games[i].step(reply)
             mems[i].store(observations[i], info.get("action"), reward, info)

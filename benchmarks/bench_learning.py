@@ -1,0 +1,359 @@
+"""Learning curves of the real training app, run exactly as a user runs it (`serve run CONFIG` in a subprocess,
+on its own local Ray cluster), read back from the run's metrics.jsonl.
+
+Default: the embedded default (`serve_configs/train.yaml`, what `make train` runs) for a wall-clock budget. The
+curve shows the random-valid-action level and the untrained policy on the held-out validation seeds, the
+supervised warm start, then the RL iterations (greedy validation, and the sampled training rollouts).
+
+`--compare`: advantage estimators on the same budget. One supervised warm start (`raygent sft` on the config),
+then for every seed and estimator an RL run from that checkpoint with the same number of iterations (the same
+number of episodes; env steps are counted and plotted). Validation success vs env steps, mean +- std over seeds, and
+GiGPO's step-group statistics per iteration (share of rows in step groups larger than one, mean group size).
+
+Usage (from the repo root):
+    python benchmarks/bench_learning.py                       # train.yaml, 15 minutes
+    python benchmarks/bench_learning.py --minutes 5 --name quick --set rollout.n_groups=8
+    python benchmarks/bench_learning.py --compare             # gigpo (2 modes), grpo, rloo x seeds 0,1,2
+Writes benchmarks/results/learning_<name>.json and .png (compare: compare_<name>.json and .png).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+RESULTS = REPO_ROOT / "benchmarks" / "results"
+FINAL_PHASES = {"done", "stopped", "failed"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def set_dotted(args: dict[str, Any], dotted: str, value: Any) -> None:
+    *path, last = dotted.split(".")
+    node = args
+    for key in path:
+        node = node.setdefault(key, {})
+    node[last] = value
+
+
+def write_run_config(config: Path, work: Path, run_name: str, overrides: dict[str, Any]) -> tuple[Path, int, Path]:
+    spec = yaml.safe_load(config.read_text())
+    port = free_port()
+    spec.setdefault("http_options", {})["port"] = port
+    args = spec["applications"][0]["args"]
+    args["output_dir"] = str(work / "runs")
+    args["run_name"] = run_name
+    args.setdefault("checkpoint", {})["resume"] = "never"
+    for key, value in overrides.items():
+        set_dotted(args, key, value)
+    path = work / f"{run_name}.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path, port, work / "runs" / run_name
+
+
+def get_json(url: str, method: str = "GET") -> Any:
+    import urllib.request
+
+    with urllib.request.urlopen(urllib.request.Request(url, method=method), timeout=10) as r:
+        return json.loads(r.read())
+
+
+def run_training(config: Path, run_name: str, overrides: dict[str, Any], minutes: float, work: Path,
+                 log_every_s: float = 60.0) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """`serve run` the config; stop gracefully (POST /stop) when the budget is spent; return the metrics records
+    and facts about the run. Times are seconds since `serve run` was launched."""
+    path, port, run_dir = write_run_config(config, work, run_name, overrides)
+    url = f"http://127.0.0.1:{port}"
+    log = work / f"{run_name}.log"
+    serve = str(Path(sys.executable).with_name("serve"))
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    env.pop("RAY_ADDRESS", None)  # its own local cluster, as `make train` has
+    launched = time.time()
+    proc = subprocess.Popen([serve, "run", str(path)], cwd=REPO_ROOT, env=env, stdout=log.open("w"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    status: dict[str, Any] = {}
+    stop_sent, last_print = False, 0.0
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"serve run exited ({proc.returncode}); see {log}:\n{log.read_text()[-3000:]}")
+            elapsed = time.time() - launched
+            try:
+                status = get_json(f"{url}/status")
+            except OSError:
+                status = status or {}
+            phase = status.get("phase")
+            if phase in FINAL_PHASES:
+                break
+            if elapsed > minutes * 60 and not stop_sent and status:
+                get_json(f"{url}/stop", method="POST")  # finish the iteration, checkpoint, stop
+                stop_sent = True
+            if elapsed > minutes * 60 + 600:
+                raise RuntimeError(f"run did not stop within 10 minutes of POST /stop; see {log}")
+            if time.time() - last_print > log_every_s:
+                last_print = time.time()
+                metrics = status.get("last_metrics") or {}
+                print(f"  [{run_name}] {elapsed / 60:5.1f} min: phase {phase}, iteration {status.get('iteration')}, "
+                      f"val success {metrics.get('val/success_rate')}", flush=True)
+            time.sleep(5.0)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    for r in records:
+        r["minutes"] = (r["time"] - launched) / 60
+    return records, {"phase": status.get("phase"), "iterations": status.get("iteration"), "log": str(log),
+                     "wall_minutes": (time.time() - launched) / 60}
+
+
+def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
+    def first(phase: str, key: str) -> float | None:
+        return next((r[key] for r in records if r.get("phase") == phase and r.get(key) is not None), None)
+
+    warm = [r for r in records if r.get("phase") == "warm_start"]
+    rl = [r for r in records if r.get("phase") == "train"]
+    val = [(r["iteration"], r["minutes"], r["val/success_rate"]) for r in rl if r.get("val/success_rate") is not None]
+    out: dict[str, Any] = {
+        "random_policy_success": first("baseline", "val/random_policy_success"),
+        "untrained_success": first("untrained", "val/success_rate"),
+        "warm_start": [{"step": r["warm_start/step"], "minutes": r["minutes"], "val_success": r["val/success_rate"]}
+                       for r in warm],
+        "rl_validation": [{"iteration": i, "minutes": m, "val_success": s} for i, m, s in val],
+        "rl_train_rollouts": [{"iteration": r["iteration"], "minutes": r["minutes"],
+                               "success": r.get("train/success_rate"), "return": r.get("train/return"),
+                               "valid_action_ratio": r.get("train/valid_action_ratio")} for r in rl],
+        "mean_iteration_seconds": (sum(r.get("time/iteration_s", 0.0) for r in rl) / len(rl)) if rl else None,
+    }
+    out["warm_start_final_success"] = warm[-1]["val/success_rate"] if warm else None
+    out["warm_start_minutes"] = warm[-1]["minutes"] if warm else None
+    out["rl_final_success"] = val[-1][2] if val else None
+    out["rl_best_success"] = max((s for _, _, s in val), default=None)
+    return out
+
+
+def plot(records: list[dict[str, Any]], summary: dict[str, Any], title: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    if summary["random_policy_success"] is not None:
+        ax.axhline(summary["random_policy_success"], color="gray", ls="--", lw=1,
+                   label=f"random valid action ({summary['random_policy_success']:.0%})")
+    untrained = [r for r in records if r.get("phase") == "untrained"]
+    if untrained:
+        ax.plot([r["minutes"] for r in untrained], [r["val/success_rate"] for r in untrained], "ks",
+                label=f"untrained ({untrained[0]['val/success_rate']:.0%})")
+    warm = summary["warm_start"]
+    if warm:
+        ax.plot([w["minutes"] for w in warm], [w["val_success"] for w in warm], "o-", color="tab:blue",
+                label="supervised warm start (held-out)")
+        ax.axvline(warm[-1]["minutes"], color="tab:blue", lw=0.8, alpha=0.5)
+    rollouts = [r for r in summary["rl_train_rollouts"] if r["success"] is not None]
+    if rollouts:
+        ax.plot([r["minutes"] for r in rollouts], [r["success"] for r in rollouts], "-", color="tab:orange",
+                alpha=0.35, label="RL training rollouts (sampled, T=1)")
+    val = summary["rl_validation"]
+    if val:
+        ax.plot([v["minutes"] for v in val], [v["val_success"] for v in val], "o-", color="tab:red",
+                label="RL (GiGPO), held-out")
+    ax.set_xlabel("minutes since `serve run` (incl. start-up)")
+    ax.set_ylabel("success rate")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.set_title(title)
+    ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+ESTIMATORS = {
+    "gigpo-mean_norm": {"estimator": "gigpo", "params": {"gamma": 0.95, "step_weight": 1.0, "mode": "mean_norm"}},
+    "gigpo-mean_std_norm": {"estimator": "gigpo",
+                            "params": {"gamma": 0.95, "step_weight": 1.0, "mode": "mean_std_norm"}},
+    "grpo": {"estimator": "grpo", "params": {}},
+    "rloo": {"estimator": "rloo", "params": {}},
+}
+
+
+def warm_start_once(config: Path, work: Path, overrides: dict[str, Any]) -> Path:
+    """The shared starting point: `raygent sft` on the config's warm_start section."""
+    out = work / "sft"
+    cmd = [str(Path(sys.executable).with_name("raygent")), "sft", "--config", str(config), "--out", str(out)]
+    for key, value in overrides.items():
+        if key.startswith("warm_start.") and key.split(".", 1)[1] in ("steps", "lr", "batch_size", "target_success"):
+            cmd += [f"--{key.split('.', 1)[1].replace('_', '-')}", str(value)]
+    print("warm start:", " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True, cwd=REPO_ROOT)
+    return out
+
+
+def run_curve(records: list[dict[str, Any]]) -> dict[str, list[float]]:
+    import numpy as np
+
+    rl = [r for r in records if r.get("phase") == "train"]
+    steps = np.cumsum([r.get("data/rows") or r.get("train/rows") or 0 for r in rl]).tolist()
+    curve = {"env_steps": [], "val_success": [], "val_return": [], "iteration": []}
+    for r, n in zip(rl, steps, strict=True):
+        if r.get("val/success_rate") is not None:
+            curve["env_steps"].append(n)
+            curve["val_success"].append(r["val/success_rate"])
+            curve["val_return"].append(r.get("val/return"))
+            curve["iteration"].append(r["iteration"])
+    curve["step_group_share"] = [r.get("data/step_group_share") for r in rl]
+    curve["step_group_mean_size"] = [r.get("data/step_group_mean_size") for r in rl]
+    curve["train_success"] = [r.get("train/success_rate") for r in rl]
+    return curve
+
+
+def compare(args: argparse.Namespace, overrides: dict[str, Any]) -> None:
+    import numpy as np
+
+    work = Path(tempfile.mkdtemp(prefix="raygent-bench-compare-"))
+    names = args.estimators.split(",")
+    seeds = [int(s) for s in args.seeds.split(",")]
+    start = warm_start_once(args.config, work, overrides)
+    start_success = json.loads((start / "raygent_sft.json").read_text()).get("final_success")
+    runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+    for seed in seeds:
+        for name in names:
+            spec = ESTIMATORS[name]
+            run_overrides = {**overrides, "policy.model": str(start), "warm_start.enabled": False,
+                             "algorithm.estimator": spec["estimator"], "algorithm.params": spec["params"],
+                             "seed": seed, "iterations": args.iterations, "checkpoint.every": 0}
+            print(f"{name}, seed {seed}: {args.iterations} iterations", flush=True)
+            records, run = run_training(args.config, f"{name}-s{seed}", run_overrides, 1e6, work)
+            curve = run_curve(records)
+            runs[name].append({"seed": seed, "run": run, "curve": curve,
+                               "random_policy_success": summarize(records)["random_policy_success"]})
+            print(f"  final val success {curve['val_success'][-1] if curve['val_success'] else None}", flush=True)
+    table = {}
+    for name in names:
+        finals = np.array([r["curve"]["val_success"][-1] for r in runs[name]])
+        reach = [next((n for n, v in zip(r["curve"]["env_steps"], r["curve"]["val_success"], strict=True)
+                       if v >= args.reach), None) for r in runs[name]]
+        share = [v for r in runs[name] for v in r["curve"]["step_group_share"] if v is not None]
+        size = [v for r in runs[name] for v in r["curve"]["step_group_mean_size"] if v is not None]
+        table[name] = {"final_val_success_mean": float(finals.mean()), "final_val_success_std": float(finals.std()),
+                       "finals": finals.tolist(), f"env_steps_to_{args.reach}": reach,
+                       "step_group_share_mean": float(np.mean(share)) if share else None,
+                       "step_group_mean_size": float(np.mean(size)) if size else None}
+        print(f"{name:22s} final val success {finals.mean():.3f} +- {finals.std():.3f}  "
+              f"steps to {args.reach:.0%}: {reach}", flush=True)
+    out = {"config": str(args.config), "overrides": overrides, "iterations": args.iterations, "seeds": seeds,
+           "warm_start_success": start_success, "reach_threshold": args.reach, "table": table, "runs": runs}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"compare_{args.name}.json").write_text(json.dumps(out, indent=1) + "\n")
+    plot_compare(runs, out, RESULTS / f"compare_{args.name}.png")
+    print(f"wrote benchmarks/results/compare_{args.name}.json and .png")
+
+
+def plot_compare(runs: dict[str, list[dict[str, Any]]], out: dict[str, Any], path: Path) -> None:
+    import matplotlib
+    import numpy as np
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for name, rs in runs.items():
+        n = min(len(r["curve"]["val_success"]) for r in rs)
+        x = np.mean([r["curve"]["env_steps"][:n] for r in rs], axis=0)
+        y = np.array([r["curve"]["val_success"][:n] for r in rs])
+        ax.plot(x, y.mean(0), "o-", label=f"{name} (n={len(rs)})")
+        ax.fill_between(x, y.mean(0) - y.std(0), y.mean(0) + y.std(0), alpha=0.15)
+        share = [r["curve"]["step_group_share"] for r in rs if any(v is not None for v in r["curve"]["step_group_share"])]
+        if name.startswith("gigpo") and share:
+            m = min(len(s) for s in share)
+            ax2.plot(range(1, m + 1), np.mean([s[:m] for s in share], axis=0), label=f"{name}: share of rows")
+    random_level = next((r["random_policy_success"] for rs in runs.values() for r in rs
+                         if r["random_policy_success"] is not None), None)
+    if random_level is not None:
+        ax.axhline(random_level, color="gray", ls="--", lw=1, label=f"random valid action ({random_level:.0%})")
+    if out.get("warm_start_success") is not None:
+        ax.axhline(out["warm_start_success"], color="tab:blue", ls=":", lw=1,
+                   label=f"warm start ({out['warm_start_success']:.0%})")
+    ax.set_xlabel("env steps (training)")
+    ax.set_ylabel("held-out success rate")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    ax.set_title("validation success, mean +- std over seeds")
+    ax2.set_xlabel("iteration")
+    ax2.set_ylabel("share of step rows in step groups of size > 1")
+    ax2.set_ylim(0, 1)
+    ax2.grid(alpha=0.3)
+    ax2.legend(fontsize=7)
+    ax2.set_title("GiGPO anchor-state groups")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def parse_value(text: str) -> Any:
+    return yaml.safe_load(text)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", type=Path, default=REPO_ROOT / "serve_configs" / "train.yaml")
+    parser.add_argument("--minutes", type=float, default=15.0, help="wall-clock budget, start-up included")
+    parser.add_argument("--name", default="sokoban-default", help="results file stem: learning_<name>")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a train arg, e.g. warm_start.steps=1000 (repeatable)")
+    parser.add_argument("--compare", action="store_true", help="estimators x seeds from one warm start")
+    parser.add_argument("--estimators", default=",".join(ESTIMATORS), help=f"subset of {list(ESTIMATORS)}")
+    parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--iterations", type=int, default=20, help="RL iterations per compared run")
+    parser.add_argument("--reach", type=float, default=0.5, help="report env steps to this validation success")
+    args = parser.parse_args()
+    overrides = {k: parse_value(v) for k, v in (s.split("=", 1) for s in args.set)}
+    if args.compare:
+        unknown = set(args.estimators.split(",")) - set(ESTIMATORS)
+        if unknown:
+            parser.error(f"unknown estimators {sorted(unknown)}; allowed: {list(ESTIMATORS)}")
+        compare(args, overrides)
+        return
+
+    work = Path(tempfile.mkdtemp(prefix="raygent-bench-learning-"))
+    print(f"running {args.config} for {args.minutes} min (work dir {work})", flush=True)
+    records, run = run_training(args.config, args.name, overrides, args.minutes, work)
+    summary = summarize(records)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = {"config": str(args.config.relative_to(REPO_ROOT) if args.config.is_absolute() else args.config),
+           "overrides": overrides, "minutes_budget": args.minutes, "run": run, "machine_cpus": os.cpu_count(),
+           "summary": summary, "records": records}
+    (RESULTS / f"learning_{args.name}.json").write_text(json.dumps(out, indent=1) + "\n")
+    plot(records, summary, f"{args.name}: held-out success, {os.cpu_count()} CPU cores",
+         RESULTS / f"learning_{args.name}.png")
+    s = summary
+    print(f"random valid action {s['random_policy_success']}, untrained {s['untrained_success']}, warm start "
+          f"{s['warm_start_final_success']} after {s['warm_start_minutes']} min, RL final {s['rl_final_success']} "
+          f"(best {s['rl_best_success']}) after {run['iterations']} iterations, {run['wall_minutes']:.1f} min")
+    print(f"wrote benchmarks/results/learning_{args.name}.json and .png")
+
+
+if __name__ == "__main__":
+    main()
