@@ -135,6 +135,7 @@ def evaluate(model: Any, tokenizer: Any, cfg: TrainConfig, seeds: Sequence[int],
     together, prompts built as in training. A prompt longer than max_model_len ends its episode unwon, as in the
     rollouts."""
     import torch
+
     from actors.prompting import encode_prompt
 
     was_training = model.training

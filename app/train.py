@@ -64,10 +64,23 @@ class TrainingRun:
         return await self.controller.request_stop.remote()
 
 
+def check_gpus(cfg: TrainConfig) -> None:
+    """A GPU recipe (`trainer.use_gpu: true`) on a Ray cluster without GPUs fails here, before any actor starts,
+    instead of its GPU actors waiting forever for resources. Outside Ray (config checks) there is nothing to ask."""
+    if not cfg.trainer.use_gpu or not ray.is_initialized():
+        return
+    if not ray.cluster_resources().get("GPU"):
+        raise ValueError("trainer.use_gpu is true but this Ray cluster has no GPU: run a CPU config instead "
+                         "(serve_configs/train.yaml, serve_configs/<env>_cpu.yaml) or set trainer.use_gpu: false "
+                         "and remove num_gpus from the Policy deployment")
+
+
 def build_train_app(args: dict[str, Any]) -> serve.Application:
-    """`serve run` entry. Validates the whole config (failing with each bad field's path and what is allowed) and
-    resolves the starting weights (latest checkpoint of the run when `resume: auto`) before any actor starts."""
+    """`serve run` entry. Validates the whole config (failing with each bad field's path and what is allowed), checks
+    that a GPU config has GPUs, and resolves the starting weights (latest checkpoint of the run when `resume: auto`)
+    before any actor starts."""
     cfg = load_train_config(args)
+    check_gpus(cfg)
     resume_from = None
     if cfg.checkpoint.resume == "auto":
         latest = latest_checkpoint(cfg.run_dir)

@@ -53,6 +53,16 @@ def default_model() -> str:
     return resolve_model("default")
 
 
+# Modules whose tests start `serve run` as a subprocess, in the order they run, after every other test: when
+# `serve run` exits it shuts Serve down for the whole cluster.
+SERVE_RUN_MODULES = ("test_train_e2e", "test_train_envs")
+
+
 def pytest_collection_modifyitems(config, items):
-    """End-to-end `serve run` tests go last: when `serve run` exits it shuts Serve down for the whole cluster."""
-    items.sort(key=lambda item: "test_train_e2e" in item.nodeid)
+    """`serve run` tests go last (SERVE_RUN_MODULES); the sort is stable, so each module keeps its own order."""
+
+    def rank(item) -> int:
+        module = item.nodeid.split("::", 1)[0].rsplit("/", 1)[-1].removesuffix(".py")
+        return SERVE_RUN_MODULES.index(module) + 1 if module in SERVE_RUN_MODULES else 0
+
+    items.sort(key=rank)

@@ -7,70 +7,20 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
-import yaml
 
 from tests.conftest import REPO
+from tests.serve_helpers import ServeRun, get_status, training_config, wait_for
 
 pytestmark = pytest.mark.slow
-SERVE = str(Path(sys.executable).with_name("serve"))
-
-
-class ServeRun:
-    """`serve run CONFIG` in the background, from the repo root (serve run puts it on the import path)."""
-
-    def __init__(self, config: Path, log: Path, address: str):
-        env = {**os.environ, "RAY_ADDRESS": address, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "token")}
-        self.log = log
-        self.proc = subprocess.Popen([SERVE, "run", str(config)], cwd=REPO, env=env, stdout=log.open("w"),
-                                     stderr=subprocess.STDOUT, start_new_session=True)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)  # a backgrounded serve run ignores SIGINT
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
-def wait_for(predicate, timeout: float, what: str, run: ServeRun):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if run.proc.poll() is not None:
-            pytest.fail(f"serve run exited ({run.proc.returncode}) while waiting for {what}:\n"
-                        + run.log.read_text()[-3000:])
-        try:
-            value = predicate()
-            if value:
-                return value
-        except (httpx.HTTPError, KeyError, ValueError):
-            pass
-        time.sleep(1.0)
-    pytest.fail(f"timed out waiting for {what}:\n" + run.log.read_text()[-3000:])
 
 
 def write_config(tmp_path: Path, port: int, iterations: int, name: str = "config.yaml") -> Path:
-    spec = yaml.safe_load((REPO / "serve_configs" / "test_tiny.yaml").read_text())
-    spec["http_options"]["port"] = port
-    args = spec["applications"][0]["args"]
-    args["output_dir"] = str(tmp_path / "runs")
-    args["iterations"] = iterations
-    args["checkpoint"]["every"] = 2
-    path = tmp_path / name
-    path.write_text(yaml.safe_dump(spec))
-    return path
-
-
-def get_status(url: str) -> dict:
-    return httpx.get(f"{url}/status", timeout=5).json()
+    return training_config(REPO / "serve_configs" / "test_tiny.yaml", tmp_path / name, port, tmp_path / "runs",
+                           iterations=iterations)
 
 
 def env_actor_pids() -> list[int]:

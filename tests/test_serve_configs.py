@@ -1,0 +1,73 @@
+"""Every training Serve config in serve_configs/ (recursively: the CPU configs and the GPU recipes) validates and
+builds its env and memory, without Ray: a broken config fails here, not on a GPU machine an hour into a run."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+from ray.serve.schema import ServeDeploySchema
+
+import envs
+import memory
+from app.config import load_train_config
+from tests.conftest import REPO
+
+TRAIN_IMPORT_PATH = "app.train:build_train_app"
+AGENT_ENVS = ("alfworld", "webshop", "search", "math_tool")
+CONFIGS = sorted((REPO / "serve_configs").rglob("*.yaml"))
+
+
+def _train_apps(path):
+    spec = yaml.safe_load(path.read_text())
+    return [a for a in spec.get("applications", []) if a.get("import_path") == TRAIN_IMPORT_PATH]
+
+
+def _id(path) -> str:
+    return str(path.relative_to(REPO / "serve_configs"))
+
+
+TRAIN_CONFIGS = [p for p in CONFIGS if _train_apps(p)]
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=_id)
+def test_serve_schema(path):
+    ServeDeploySchema.model_validate(yaml.safe_load(path.read_text()))
+
+
+@pytest.mark.parametrize("path", TRAIN_CONFIGS, ids=_id)
+def test_train_config_validates_and_builds(path):
+    for app in _train_apps(path):
+        cfg = load_train_config(app.get("args"))
+        env = envs.make(cfg.env.name, **cfg.env_kwargs)
+        memory.make(cfg.memory.name, **cfg.memory.kwargs)
+        if cfg.max_steps or "max_steps" in cfg.env.kwargs:
+            assert env.max_steps == (cfg.max_steps or cfg.env.kwargs["max_steps"])
+        deployments = {d["name"]: d for d in app.get("deployments", [])}
+        assert set(deployments) <= {"Policy", "TrainingRun"}, f"unknown deployment in {path.name}: {set(deployments)}"
+        policy_gpus = deployments.get("Policy", {}).get("ray_actor_options", {}).get("num_gpus", 0)
+        if cfg.trainer.use_gpu:  # a GPU recipe: the policy replicas take GPUs too, and sample with vLLM
+            assert policy_gpus > 0 and cfg.policy.engine == "vllm", path.name
+        else:
+            assert not policy_gpus, f"{path.name}: Policy asks for GPUs but trainer.use_gpu is false"
+
+
+@pytest.mark.parametrize("env", AGENT_ENVS)
+def test_every_agent_env_has_a_cpu_config_and_a_gpu_recipe(env):
+    assert env in envs.list_envs()
+    for path, gpu in ((REPO / "serve_configs" / f"{env}_cpu.yaml", False),
+                      (REPO / "serve_configs" / "gpu" / f"{env}.yaml", True)):
+        (app,) = _train_apps(path)
+        cfg = load_train_config(app["args"])
+        assert cfg.env.name == env and cfg.trainer.use_gpu == gpu, path
+
+
+def test_gpu_recipe_without_a_gpu_fails_before_any_actor_starts(monkeypatch):
+    import ray
+
+    from app.train import build_train_app
+
+    (app,) = _train_apps(REPO / "serve_configs" / "gpu" / "sokoban.yaml")
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0})
+    with pytest.raises(ValueError, match="trainer.use_gpu is true but this Ray cluster has no GPU"):
+        build_train_app(app["args"])

@@ -1,0 +1,69 @@
+"""Every built-in agent env trains from its CPU smoke config, as a user runs it: `serve run
+serve_configs/<env>_cpu.yaml` as a subprocess on the session's Ray cluster, cut to 2 iterations, polled over HTTP
+until done. Checks two iterations of metrics (success rate, valid-action ratio, a finite loss), the final validation
+and checkpoint, and the warm start where the config has one. These run last (conftest): `serve run` shuts Serve down
+when it exits."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import yaml
+
+from tests.conftest import REPO
+from tests.serve_helpers import ServeRun, get_history, get_status, training_config, wait_for
+
+pytestmark = pytest.mark.slow
+
+AGENT_ENVS = ("alfworld", "webshop", "search", "math_tool")
+
+
+def _delete_train_app() -> None:
+    """A `serve run` stopped with SIGTERM leaves its app deployed; the next run's /status must not come from it."""
+    from ray import serve
+
+    try:
+        serve.delete("train")
+    except Exception:
+        pass
+
+
+def _finite(value) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+@pytest.mark.parametrize("env", AGENT_ENVS)
+def test_cpu_smoke_config_trains(env, ray_cluster, serve_url, tmp_path):
+    source = REPO / "serve_configs" / f"{env}_cpu.yaml"
+    args = yaml.safe_load(source.read_text())["applications"][0]["args"]
+    run_name = args["run_name"]
+    port = int(serve_url.rsplit(":", 1)[1])
+    config = training_config(source, tmp_path / "config.yaml", port, tmp_path / "runs", iterations=2)
+    _delete_train_app()
+    run = ServeRun(config, tmp_path / "serve_run.log", ray_cluster.get_runtime_context().gcs_address)
+    try:
+        status = wait_for(lambda: (s := get_status(serve_url))["run_name"] == run_name and s["done"] and s, 600,
+                          f"the {env} run to finish", run)
+        history = get_history(serve_url)
+    finally:
+        run.stop()
+        _delete_train_app()
+    log = run.log.read_text()[-3000:]
+    assert status["phase"] == "done" and status["error"] is None, (status, log)
+    assert status["iteration"] == 2 and status["weight_version"] >= 2, status
+
+    train = [r for r in history if r.get("phase") == "train"]
+    assert [r["iteration"] for r in train] == [1, 2], history
+    for r in train:
+        assert 0.0 <= r["train/success_rate"] <= 1.0, r
+        assert 0.0 <= r["train/valid_action_ratio"] <= 1.0, r
+        assert r["train/episodes"] == args["rollout"]["n_groups"] * args["rollout"]["group_size"], r
+        assert r["data/rows"] > 0, r
+        assert _finite(r.get("train/loss")), r
+    assert "val/success_rate" in train[-1] and "val/valid_action_ratio" in train[-1], train[-1]
+    assert "val/random_policy_success" in history[0], history[0]
+    if args["warm_start"]["enabled"]:
+        warm = [r for r in history if r.get("phase") == "warm_start"]
+        assert warm and all(_finite(r.get("warm_start/sft_loss")) for r in warm), warm
+    assert status["last_checkpoint"].endswith("iter_000002"), status
