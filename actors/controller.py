@@ -314,6 +314,8 @@ class Controller:
                f"{prefix}/valid_action_ratio": total("valid_steps") / steps, f"{prefix}/episodes": int(total("episodes"))}
         if prefix == "train":
             out.update({"perf/env_steps_per_s": total("steps") / seconds,
+                        # the slowest actor's time waiting on the policy: generation as the rollout saw it
+                        "time/generate_s": max((p.get("generate_seconds", 0.0) for p in parts), default=0.0),
                         "perf/tokens_per_s": total("generated_tokens") / seconds,
                         "perf/prompt_tokens_per_step": total("prompt_tokens") / steps,
                         "faults/rerolled_groups": int(total("rerolled_groups")),
@@ -398,6 +400,7 @@ class Controller:
             if val["val/success_rate"] >= ws.target_success:
                 break
         bar.close()
+        await self.trainer.run({"kind": "reset_optimizer"})
         self.warm_start_done = True
         await self._checkpoint()
         self.phase = "training"

@@ -171,6 +171,7 @@ def train_loop_per_worker(cfg: dict[str, Any]) -> None:
         old_by_row = [o[0][i] for o in old for i in range(o[0].shape[0])]
         rollout_by_row = [o[1][i] for o in old for i in range(o[1].shape[0])]
         step_metrics, norms, mismatch = [], [], []
+        update_seconds = 0.0
         for _ in range(optim.epochs):
             order = rng.permutation(n)
             for mb_start in range(0, n, local_minibatch):
@@ -188,15 +189,20 @@ def train_loop_per_worker(cfg: dict[str, Any]) -> None:
                     if ref_model is not None:
                         with torch.no_grad():
                             ref, _ = token_logprobs(ref_model, batch)
+                    t0 = time.perf_counter()
                     loss, metrics = rl_loss(model, batch, optim, ref)
                     (loss * (len(idx) / len(mb))).backward()
+                    update_seconds += time.perf_counter() - t0
                     mask = batch["response_mask"].cpu()
                     mismatch.append(float(((batch["old_logprobs"].cpu() - rollout).abs() * mask).sum()
                                           / mask.sum().clamp(min=1)))
                     step_metrics.append(metrics)
+                t0 = time.perf_counter()
                 norms.append(optimizer_step())
+                update_seconds += time.perf_counter() - t0
         out = mean_metrics(step_metrics)
-        out.update(grad_norm=float(np.mean(norms)), optimizer_steps=len(norms), rows=n,
+        # forward + backward + optimizer step of the update (the rest: data, old log-probs, collation)
+        out.update(update_seconds=update_seconds, grad_norm=float(np.mean(norms)), optimizer_steps=len(norms), rows=n,
                    rollout_trainer_logprob_gap=float(np.mean(mismatch)))
         return out
 
@@ -235,6 +241,11 @@ def train_loop_per_worker(cfg: dict[str, Any]) -> None:
             if task.get("shards") is not None:
                 sft_data = _rows(task["shards"][rank])
             metrics = run_sft(sft_data, task["steps"], task["batch_size"], task["lr"])
+        elif kind == "reset_optimizer":
+            # A new stage (RL after the supervised warm start) starts with fresh Adam moments: the warm start's
+            # large-gradient second moments would otherwise shrink RL's first updates by an order of magnitude.
+            optimizer.state.clear()
+            metrics = {}
         elif kind == "save_optimizer":
             state = _optimizer_state(model, optimizer, strategy)
             if rank == 0:
