@@ -22,14 +22,13 @@ import ray
 
 import envs
 from actors.checkpoint import load_state, save_checkpoint, write_model_template
-from actors.demonstrations import demo_seeds
+from actors.demonstrations import demo_players
 from actors.env_group import EnvGroupActor
 from actors.metrics import MetricsSink
 from actors.trainer import TrainerGroup
 from algorithms import apply_invalid_action_penalty, compute_advantages, dynamic_sampling_mask, step_group_stats
 
 logger = logging.getLogger("raygent")
-
 
 
 def add_advantages(batch: pa.Table, *, estimator: str, params: dict[str, Any], penalty: float,
@@ -373,15 +372,14 @@ class Controller:
 
         ws = self.cfg.warm_start
         self.phase = "warm_start"
-        seeds = demo_seeds(self.cfg.seed, ws.demo_seeds)
-        parts = [p for p in np.array_split(seeds, len(self.env_actors)) if len(p)]
-        calls = [a.demonstrations.remote(p.tolist(), ws.expert_prob, self.cfg.seed + k)
-                 for k, (a, p) in enumerate(zip(self.env_actors, parts, strict=False))]
+        players = demo_players(self.cfg.seed, ws.demo_seeds, len(self.env_actors))
+        calls = [a.demonstrations.remote(seeds, ws.expert_prob, rng_seed)
+                 for a, (seeds, rng_seed) in zip(self.env_actors, players, strict=False)]
         tables = [t for t, _ in calls]
         n_rows = sum(m["rows"] for m in await asyncio.gather(*(m for _, m in calls)))
         ds = await asyncio.to_thread(lambda: ray.data.from_arrow_refs(tables).materialize())
         shards = await asyncio.to_thread(lambda: ds.split(self.cfg.trainer.num_workers, equal=True))
-        logger.info("warm start: %d demonstration steps from %d episodes", n_rows, len(seeds))
+        logger.info("warm start: %d demonstration steps from %d episodes", n_rows, ws.demo_seeds)
         bar = tqdm(total=ws.steps, desc="warm start (supervised)")
         done, first = 0, True
         while done < ws.steps:

@@ -21,6 +21,13 @@ def demo_seeds(base_seed: int, n: int) -> np.ndarray:
     return envs.group_seeds(base_seed, DEMO_SEED_INDEX, n, "train")
 
 
+def demo_players(base_seed: int, n: int, n_players: int) -> list[tuple[list[int], int]]:
+    """The demonstration seeds split over `n_players` players (the env-group actors), each with its own rng seed:
+    the training app and `raygent sft` build the same demonstrations from the same config."""
+    parts = [p for p in np.array_split(demo_seeds(base_seed, n), n_players) if len(p)]
+    return [(part.tolist(), base_seed + k) for k, part in enumerate(parts)]
+
+
 def expert_label(tokenizer: Any, action: str) -> list[int]:
     """The supervised reply: the expert's action in the env's tags, then EOS (where the engines stop)."""
     return tokenizer.encode(f"<action>{action}</action>", add_special_tokens=False) + [tokenizer.eos_token_id]

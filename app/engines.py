@@ -61,13 +61,6 @@ def vllm_available() -> bool:
     return True
 
 
-def torch_dtype_to_numpy(dtype: Any) -> np.dtype | None:
-    import torch
-
-    return {torch.float32: np.dtype(np.float32), torch.float16: np.dtype(np.float16),
-            torch.float64: np.dtype(np.float64)}.get(dtype)
-
-
 def cuda_available() -> bool:
     import torch
 
@@ -108,6 +101,17 @@ class HFEngine:
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(self.device)
         self.model.eval()
         self.eos_ids = self._eos_ids()
+
+    @classmethod
+    def from_model(cls, model: Any, tokenizer: Any, device: Any) -> HFEngine:
+        """An engine over a model already in memory (e.g. one being trained by `raygent sft`); the caller owns
+        its train/eval mode."""
+        import torch
+
+        engine = cls.__new__(cls)
+        engine.torch, engine.model, engine.tokenizer, engine.device = torch, model, tokenizer, str(device)
+        engine.eos_ids = engine._eos_ids()
+        return engine
 
     def _eos_ids(self) -> list[int]:
         eos = self.model.generation_config.eos_token_id
@@ -185,11 +189,10 @@ class HFEngine:
         shapes = [k for k, v in state_dict.items() if tuple(v.shape) != tuple(current[k].shape)]
         if shapes:
             raise ValueError(f"state dict does not fit the model: shape mismatch for {shapes[:5]}")
-        zero_copy = self.device == "cpu" and all(np.asarray(v).dtype == torch_dtype_to_numpy(current[k].dtype)
-                                                 for k, v in state_dict.items())
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
             tensors = {k: torch.from_numpy(np.asarray(v)) for k, v in state_dict.items()}
+        zero_copy = self.device == "cpu" and all(t.dtype == current[k].dtype for k, t in tensors.items())
         if zero_copy:
             self.model.load_state_dict(tensors, strict=False, assign=True)
             self.model.tie_weights()  # assign replaced the embedding: point a tied lm_head at the new one

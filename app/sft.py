@@ -4,7 +4,7 @@ It reads the same training config as `serve run serve_configs/train.yaml` (polic
 .max_tokens, validation.n_envs and the `warm_start:` section) and shares the training app's code: demonstrations from
 `actors.demonstrations.make_demonstrations` (the env-group actors call it too), prompts from `actors.prompting`, the
 loss and its micro-batched backward from `actors.learner`, and the held-out seeds of the controller's validation.
-Every `eval_every` steps it plays the validation seeds greedily and prints one line; it stops after `steps` or once
+Every `eval_every` steps it plays the validation seeds (at `validation.temperature`) and prints one line; it stops after `steps` or once
 held-out success reaches `target_success`, and writes an HF folder (safetensors, config, tokenizer with its chat
 template) atomically. That folder works as `policy.model` of a training run (with `warm_start.enabled: false`).
 """
@@ -53,7 +53,8 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def _set(config: dict[str, Any], dotted: str, value: Any) -> None:
+def set_dotted(config: dict[str, Any], dotted: str, value: Any) -> None:
+    """`config[a][b][c] = value` for `dotted` "a.b.c", creating (copies of) the parents."""
     *parents, leaf = dotted.split(".")
     node = config
     for key in parents:
@@ -73,7 +74,7 @@ def build_config(config_path: str | None, env: str | None, overrides: dict[str, 
     args = read_config_file(config_path) if config_path else {"env": {"name": env}}
     for dotted, value in overrides.items():
         if value is not None:
-            _set(args, dotted, value)
+            set_dotted(args, dotted, value)
     return load_train_config(args)
 
 
@@ -103,43 +104,12 @@ def _check_out_dir(out: Path) -> None:
 
 
 # ---- held-out evaluation ---------------------------------------------------------------------------------------
-def sample_replies(model: Any, tokenizer: Any, prompts: Sequence[Sequence[int]], max_tokens: int,
-                   device: Any, temperature: float = 0.0) -> list[str]:
-    """Replies to a batch of token-id prompts (left-padded, one `generate` call; greedy at temperature 0), cut at
-    EOS."""
-    import torch
-
-    eos = tokenizer.eos_token_id
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-    width = max(len(p) for p in prompts)
-    input_ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-    attention = torch.zeros_like(input_ids)
-    for row, ids in enumerate(prompts):
-        input_ids[row, width - len(ids):] = torch.tensor(list(ids), dtype=torch.long)
-        attention[row, width - len(ids):] = 1
-    out = model.generate(input_ids=input_ids.to(device), attention_mask=attention.to(device),
-                         max_new_tokens=max_tokens, do_sample=temperature > 0,
-                         temperature=temperature if temperature > 0 else None, top_p=None,
-                         top_k=0 if temperature > 0 else None,
-                         eos_token_id=eos, pad_token_id=pad)
-    replies = []
-    for ids in out[:, width:].tolist():
-        if eos in ids:
-            ids = ids[:ids.index(eos)]
-        replies.append(tokenizer.decode(ids, skip_special_tokens=True))
-    return replies
-
-
-def evaluate(model: Any, tokenizer: Any, cfg: TrainConfig, seeds: Sequence[int], device: Any) -> dict[str, float]:
-    """One episode per held-out seed at `validation.temperature` (as the training app validates), all envs stepped
-    together, prompts built as in training. A prompt longer than max_model_len ends its episode unwon, as in the
-    rollouts."""
-    import torch
-
+def play_episodes(cfg: TrainConfig, seeds: Sequence[int], tokenizer: Any,
+                  reply: Callable[[list[list[int]]], list[str]]) -> dict[str, float]:
+    """One episode per seed in this process, every live env's prompt answered in one `reply` call per step,
+    prompts built as in training. A prompt longer than max_model_len ends its episode unwon, as in the rollouts."""
     from actors.prompting import encode_prompt
 
-    was_training = model.training
-    model.eval()
     games = [envs.make(cfg.env.name, **cfg.env_kwargs) for _ in seeds]
     mems = [memory.make(cfg.memory.name, **cfg.memory.kwargs) for _ in seeds]
     observations = [env.reset(seed=int(s))[0] for env, s in zip(games, seeds, strict=True)]
@@ -147,22 +117,18 @@ def evaluate(model: Any, tokenizer: Any, cfg: TrainConfig, seeds: Sequence[int],
     won = np.zeros(len(games), dtype=bool)
     returns = np.zeros(len(games))
     steps = valid = too_long = 0
-    max_tokens = cfg.rollout.max_tokens
-    torch.manual_seed(cfg.seed)  # the same sampled evaluation for the same weights
     while not done.all():
         live = [int(i) for i in np.flatnonzero(~done)]
         prompts = {i: encode_prompt(tokenizer, games[i], observations[i], mems[i].render()) for i in live}
         for i in live:
-            if len(prompts[i]) + max_tokens > cfg.policy.max_model_len:
+            if len(prompts[i]) + cfg.rollout.max_tokens > cfg.policy.max_model_len:
                 done[i] = True
                 too_long += 1
         live = [i for i in live if not done[i]]
         if not live:
             break
-        replies = sample_replies(model, tokenizer, [prompts[i] for i in live], max_tokens, device,
-                                 cfg.validation.temperature)
-        for i, reply in zip(live, replies, strict=True):
-            observation, reward, terminated, truncated, info = games[i].step(reply)
+        for i, text in zip(live, reply([prompts[i] for i in live]), strict=True):
+            observation, reward, terminated, truncated, info = games[i].step(text)
             mems[i].store(observations[i], info.get("action"), reward, info)
             observations[i] = observation
             returns[i] += reward
@@ -170,11 +136,29 @@ def evaluate(model: Any, tokenizer: Any, cfg: TrainConfig, seeds: Sequence[int],
             valid += bool(info["is_action_valid"])
             won[i] |= bool(info.get("won", False))
             done[i] = terminated or truncated
-    if was_training:
-        model.train()
     return {"success_rate": float(won.mean()), "won": int(won.sum()), "episodes": len(games),
-            "return": float(returns.mean()), "valid_action_ratio": valid / max(1, steps),
+            "return": float(returns.mean()), "valid_action_ratio": valid / max(1, steps), "steps": steps,
             "prompt_too_long": too_long}
+
+
+def evaluate(model: Any, tokenizer: Any, cfg: TrainConfig, seeds: Sequence[int], device: Any) -> dict[str, float]:
+    """The held-out seeds played at `validation.temperature` (as the training app validates), through the same
+    transformers engine the policy deployment falls back to."""
+    import torch
+
+    from app.engines import HFEngine, SamplingConfig
+
+    engine = HFEngine.from_model(model, tokenizer, device)
+    params = SamplingConfig(temperature=cfg.validation.temperature, max_tokens=cfg.rollout.max_tokens)
+    was_training = model.training
+    model.eval()
+    torch.manual_seed(cfg.seed)  # the same sampled evaluation for the same weights
+    try:
+        return play_episodes(cfg, seeds, tokenizer,
+                             lambda prompts: [c.text for c in engine.generate(prompts, [params] * len(prompts))])
+    finally:
+        if was_training:
+            model.train()
 
 
 # ---- output ----------------------------------------------------------------------------------------------------
@@ -212,7 +196,7 @@ def train_sft(cfg: TrainConfig, out: str | Path | None = None, device: str = "au
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from actors.demonstrations import demo_seeds, make_demonstrations
+    from actors.demonstrations import demo_players, make_demonstrations
     from actors.learner import mean_metrics, sft_backward
     from app.default_model import resolve_model
 
@@ -230,12 +214,11 @@ def train_sft(cfg: TrainConfig, out: str | Path | None = None, device: str = "au
     # The same demonstrations as the training app's warm start: its seeds, split over the env-group actors as the
     # controller splits them, actor k's player seeded cfg.seed + k.
     t0 = time.perf_counter()
-    seeds = demo_seeds(cfg.seed, ws.demo_seeds)
     prompts: list[list[int]] = []
     responses: list[list[int]] = []
-    for k, part in enumerate(p for p in np.array_split(seeds, cfg.rollout.num_env_actors) if len(p)):
+    for seeds, rng_seed in demo_players(cfg.seed, ws.demo_seeds, cfg.rollout.num_env_actors):
         p, r = make_demonstrations(tokenizer, cfg.env.name, cfg.env_kwargs, cfg.memory.name, cfg.memory.kwargs,
-                                   part.tolist(), ws.expert_prob, cfg.seed + k)
+                                   seeds, ws.expert_prob, rng_seed)
         prompts += p
         responses += r
     if not prompts:
@@ -243,7 +226,7 @@ def train_sft(cfg: TrainConfig, out: str | Path | None = None, device: str = "au
     demo_s = time.perf_counter() - t0
     val_seeds = envs.group_seeds(cfg.seed, 0, cfg.validation.n_envs, "val").tolist()
     log(f"sft: {cfg.env.name}, model {cfg.policy.model} on {dev}, {len(prompts)} demonstration steps from "
-        f"{len(seeds)} episodes ({demo_s:.1f}s), {len(val_seeds)} held-out seeds; up to {ws.steps} steps of batch "
+        f"{ws.demo_seeds} episodes ({demo_s:.1f}s), {len(val_seeds)} held-out seeds; up to {ws.steps} steps of batch "
         f"{ws.batch_size}, lr {ws.lr:g}, target success {ws.target_success:.0%}")
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=ws.lr, betas=optim.betas, weight_decay=optim.weight_decay)

@@ -19,7 +19,8 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-from bench_learning import REPO_ROOT, RESULTS, parse_value, run_training
+import yaml
+from bench_learning import REPO_ROOT, RESULTS, run_training
 
 
 def split(records: list[dict]) -> dict[str, float]:
@@ -54,7 +55,7 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args()
     overrides = {"warm_start.enabled": False, "iterations": args.iterations, "checkpoint.every": 5,
-                 "validation.every": 5, **{k: parse_value(v) for k, v in (s.split("=", 1) for s in args.set)}}
+                 "validation.every": 5, **{k: yaml.safe_load(v) for k, v in (s.split("=", 1) for s in args.set)}}
     work = Path(tempfile.mkdtemp(prefix="raygent-bench-iteration-"))
     records, run = run_training(args.config, args.name, overrides, 1e6, work)
     result = {"config": str(args.config), "overrides": overrides, "run": run, **split(records)}

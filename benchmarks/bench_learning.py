@@ -3,7 +3,7 @@ on its own local Ray cluster), read back from the run's metrics.jsonl.
 
 Default: the embedded default (`serve_configs/train.yaml`, what `make train` runs) for a wall-clock budget. The
 curve shows the random-valid-action level and the untrained policy on the held-out validation seeds, the
-supervised warm start, then the RL iterations (greedy validation, and the sampled training rollouts).
+supervised warm start, then the RL iterations (validation at the config's temperature, and the sampled training rollouts).
 
 `--compare`: advantage estimators on the same budget. One supervised warm start (`raygent sft` on the config),
 then for every seed and estimator an RL run from that checkpoint with the same number of iterations (the same
@@ -34,6 +34,10 @@ from typing import Any
 import yaml
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+from app.sft import set_dotted  # noqa: E402
+
 RESULTS = REPO_ROOT / "benchmarks" / "results"
 FINAL_PHASES = {"done", "stopped", "failed"}
 
@@ -42,14 +46,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def set_dotted(args: dict[str, Any], dotted: str, value: Any) -> None:
-    *path, last = dotted.split(".")
-    node = args
-    for key in path:
-        node = node.setdefault(key, {})
-    node[last] = value
 
 
 def write_run_config(config: Path, work: Path, run_name: str, overrides: dict[str, Any]) -> tuple[Path, int, Path]:
@@ -312,10 +308,6 @@ def plot_compare(runs: dict[str, list[dict[str, Any]]], out: dict[str, Any], pat
     plt.close(fig)
 
 
-def parse_value(text: str) -> Any:
-    return yaml.safe_load(text)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", type=Path, default=REPO_ROOT / "serve_configs" / "train.yaml")
@@ -329,7 +321,7 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=20, help="RL iterations per compared run")
     parser.add_argument("--reach", type=float, default=0.5, help="report env steps to this validation success")
     args = parser.parse_args()
-    overrides = {k: parse_value(v) for k, v in (s.split("=", 1) for s in args.set)}
+    overrides = {k: yaml.safe_load(v) for k, v in (s.split("=", 1) for s in args.set)}
     if args.compare:
         unknown = set(args.estimators.split(",")) - set(ESTIMATORS)
         if unknown:

@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import yaml
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
@@ -32,17 +31,16 @@ sys.path.insert(0, str(REPO_ROOT))
 import envs  # noqa: E402
 import memory  # noqa: E402
 from actors.prompting import encode_prompt  # noqa: E402
-from app.config import TrainConfig, load_train_config  # noqa: E402
+from app.config import TrainConfig  # noqa: E402
 from app.default_model import resolve_model  # noqa: E402
 from app.engines import SamplingConfig, make_engine  # noqa: E402
+from app.sft import build_config, play_episodes  # noqa: E402
 
 RESULTS = REPO_ROOT / "benchmarks" / "results"
 
 
 def load_config(path: Path) -> TrainConfig:
-    spec = yaml.safe_load(path.read_text())
-    app = next(a for a in spec["applications"] if a["import_path"] == "app.train:build_train_app")
-    return load_train_config(app["args"])
+    return build_config(str(path), None, {})
 
 
 def seeds_for(cfg: TrainConfig, n_groups: int) -> np.ndarray:
@@ -51,33 +49,20 @@ def seeds_for(cfg: TrainConfig, n_groups: int) -> np.ndarray:
 
 def single_process(cfg: TrainConfig, model_path: str, n_groups: int, repeats: int) -> dict[str, Any]:
     """The baseline: one process, the same engine, every live env's prompt in one batched generate per step."""
-    from transformers import AutoTokenizer
-
     engine = make_engine(cfg.policy.engine, model_path, max_model_len=cfg.policy.max_model_len)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
     params = SamplingConfig(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                             max_tokens=cfg.rollout.max_tokens)
+    seeds = np.repeat(seeds_for(cfg, n_groups), cfg.rollout.group_size)  # a group's members share its seed
+
+    def reply(prompts: list[list[int]]) -> list[str]:
+        return [c.text for c in engine.generate(prompts, [params] * len(prompts))]
+
     rates = []
     for repeat in range(repeats + 1):  # the first round warms the engine up
-        groups = envs.EnvGroups(cfg.env.name, n_groups, cfg.rollout.group_size, cfg.env_kwargs)
-        observations, _ = groups.reset(seeds_for(cfg, n_groups))
-        mems = [memory.make(cfg.memory.name, **cfg.memory.kwargs) for _ in groups.envs]
-        steps, started = 0, time.perf_counter()
-        while not groups.all_done:
-            live = np.flatnonzero(~groups.done)
-            prompts = [encode_prompt(tokenizer, groups.envs[i], observations[i], mems[i].render()) for i in live]
-            completions = engine.generate(prompts, [params] * len(prompts))
-            replies: list[str | None] = [None] * len(groups)
-            for i, c in zip(live, completions, strict=True):
-                replies[i] = c.text
-            next_obs, rewards, _, _, infos = groups.step(replies)
-            for i in live:
-                mems[i].store(observations[i], infos[i].get("action"), float(rewards[i]), infos[i])
-                observations[i] = next_obs[i]
-            steps += len(live)
+        started = time.perf_counter()
+        steps = play_episodes(cfg, seeds, engine.tokenizer, reply)["steps"]
         if repeat:
             rates.append(steps / (time.perf_counter() - started))
-    del engine
     return {"env_steps_per_s": statistics.median(rates), "runs": rates}
 
 

@@ -10,7 +10,7 @@ import yaml
 
 import envs
 import memory
-from actors.demonstrations import demo_seeds, make_demonstrations
+from actors.demonstrations import demo_players, demo_seeds, make_demonstrations
 from app.cli import main
 
 ENV_KWARGS = {"dim_room": [6, 6], "num_boxes": 1, "max_steps": 15, "show_positions": True,
@@ -80,6 +80,9 @@ def test_demonstrations_are_what_the_env_group_actor_encodes(tiny_model):
 
 def test_demo_seeds_are_training_seeds_rl_never_reaches():
     seeds = demo_seeds(0, 50)
+    players = demo_players(0, 50, 3)  # the split the controller and `raygent sft` both use
+    assert [s for part, _ in players for s in part] == seeds.tolist()
+    assert [rng_seed for _, rng_seed in players] == [0, 1, 2]
     assert (seeds % 2 == 0).all()  # training split
     assert not set(seeds) & set(envs.group_seeds(0, 0, 128, "val"))
 
