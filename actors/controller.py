@@ -176,8 +176,12 @@ class Controller:
             self._log({"iteration": 0, "phase": "baseline", "val/random_policy_success": random_success})
             logger.info("random admissible-action policy: %.1f%% success on %d held-out seeds",
                         100 * random_success, len(val_seeds))
-            if cfg.validation.every:
-                await self._validate(val_seeds, tag="untrained")
+            baseline_envs = cfg.validation.baseline_envs
+            baseline_envs = cfg.validation.n_envs if baseline_envs is None else baseline_envs
+            if cfg.validation.every and baseline_envs:
+                # An untrained policy writes max_tokens of noise at every step of every episode: the costliest
+                # validation of a run, for a number that is usually 0; a subset of the seeds can tell.
+                await self._validate(val_seeds[:baseline_envs], tag="untrained")
         if cfg.warm_start.enabled and not self.warm_start_done:
             await self._warm_start(val_seeds)
         self.phase = "training"

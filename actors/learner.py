@@ -3,6 +3,11 @@ supervised (warm-start) loss. Plain torch, no Ray: the Train worker loop and `ra
 
 A step record is one (prompt, response) pair: `prompt_ids`, `response_ids`, and for RL also `rollout_logprobs`
 (per response token, from the engine) and `advantage` (one per row, from the estimator).
+
+Agent prompts are long and replies short (Sokoban: ~100 prompt tokens, ~4 reply tokens), so only the reply
+positions get logits: rows are left-padded so that every reply ends in the last column, and the model is asked for
+the logits of the last R+1 positions only (R = the longest reply). The [B, T, vocab] logits of the whole sequence,
+their log-softmax and entropy were most of a CPU update's time and memory.
 """
 
 from __future__ import annotations
@@ -18,34 +23,49 @@ from algorithms.losses import entropy_from_logits, kl_loss, masked_mean, policy_
 
 def collate(prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]], pad_id: int,
             extra: Sequence[Sequence[float]] | None = None) -> dict[str, torch.Tensor]:
-    """Right-pad prompt+response sequences. `response_mask[b, j]` is 1 where token j+1 is a response token, so it
-    lines up with `token_logprobs` (the log-prob of token j+1 from the logits at j). `extra` (per response token,
-    e.g. rollout log-probs) is laid out on the same grid."""
-    lengths = [len(p) + len(r) for p, r in zip(prompt_ids, response_ids, strict=True)]
-    width = max(lengths)
-    input_ids = torch.full((len(lengths), width), pad_id, dtype=torch.long)
-    attention = torch.zeros((len(lengths), width), dtype=torch.long)
-    response_mask = torch.zeros((len(lengths), width - 1), dtype=torch.float32)
-    aligned = torch.zeros((len(lengths), width - 1), dtype=torch.float32) if extra is not None else None
-    for b, (p, r) in enumerate(zip(prompt_ids, response_ids, strict=True)):  # ragged rows: one copy each
-        n_p, n = len(p), len(p) + len(r)
-        input_ids[b, :n_p] = torch.as_tensor(np.asarray(p, dtype=np.int64))
-        input_ids[b, n_p:n] = torch.as_tensor(np.asarray(r, dtype=np.int64))
-        attention[b, :n] = 1
-        response_mask[b, n_p - 1:n - 1] = 1.0
-        if aligned is not None:
-            aligned[b, n_p - 1:n - 1] = torch.as_tensor(np.asarray(extra[b], dtype=np.float32))
-    batch = {"input_ids": input_ids, "attention_mask": attention, "response_mask": response_mask}
-    if aligned is not None:
-        batch["extra"] = aligned
+    """Left-pad prompt+response rows so that every row ends in the last column; the replies then sit in the last
+    R = (longest reply) columns. `response_mask` [B, R] marks each row's reply tokens (right-aligned), the grid of
+    `token_logprobs`; `extra` (per reply token, e.g. rollout log-probs) is laid out on the same grid."""
+    prompt_len = np.fromiter((len(p) for p in prompt_ids), dtype=np.int64, count=len(prompt_ids))
+    reply_len = np.fromiter((len(r) for r in response_ids), dtype=np.int64, count=len(response_ids))
+    if prompt_len.min(initial=1) < 1:
+        raise ValueError("every row needs at least one prompt token")
+    lengths = prompt_len + reply_len
+    n_rows, width, reply_width = len(lengths), int(lengths.max()), max(1, int(reply_len.max()))
+    # One scatter for the whole batch: token k of row b goes to column width - lengths[b] + k.
+    tokens = np.concatenate([np.asarray(x, dtype=np.int64) for p, r in zip(prompt_ids, response_ids, strict=True)
+                             for x in (p, r)])
+    row = np.repeat(np.arange(n_rows), lengths)
+    col = np.arange(len(tokens)) + np.repeat(width - np.cumsum(lengths), lengths)
+    input_ids = np.full((n_rows, width), pad_id, dtype=np.int64)
+    input_ids[row, col] = tokens
+    attention = np.zeros((n_rows, width), dtype=np.int64)
+    attention[row, col] = 1
+    response_mask = np.arange(reply_width)[None, :] >= (reply_width - reply_len)[:, None]
+    batch = {"input_ids": torch.from_numpy(input_ids), "attention_mask": torch.from_numpy(attention),
+             # left padding: positions count real tokens only, as in generation
+             "position_ids": torch.from_numpy(np.maximum(attention.cumsum(axis=1) - 1, 0)),
+             "response_mask": torch.from_numpy(response_mask.astype(np.float32))}
+    if extra is not None:
+        values = np.zeros((n_rows, reply_width), dtype=np.float32)
+        values[response_mask] = np.concatenate([np.asarray(e, dtype=np.float32) for e in extra])
+        batch["extra"] = torch.from_numpy(values)
     return batch
+
+
+def reply_values(grid: torch.Tensor, response_mask: torch.Tensor) -> list[torch.Tensor]:
+    """The per-row reply values of a [B, R] grid from `collate`/`token_logprobs`, as one 1-D tensor per row (to lay
+    them out again in another batch)."""
+    return list(torch.split(grid[response_mask.bool()], response_mask.sum(dim=1).long().tolist()))
 
 
 def token_logprobs(model: torch.nn.Module, batch: dict[str, torch.Tensor], with_entropy: bool = False
                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-prob of every next token [B, T-1] (and the entropy of each next-token distribution)."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1].float()
-    targets = batch["input_ids"][:, 1:]
+    """Log-prob of every reply-grid token [B, R] (and the entropy of each of those next-token distributions)."""
+    reply_width = batch["response_mask"].shape[1]
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                   position_ids=batch["position_ids"], logits_to_keep=reply_width + 1).logits[:, :-1].float()
+    targets = batch["input_ids"][:, batch["input_ids"].shape[1] - reply_width:]
     logp = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     return logp, (entropy_from_logits(logits) if with_entropy else None)
 

@@ -120,7 +120,8 @@ def train_loop_per_worker(cfg: dict[str, Any]) -> None:
     import torch
     import torch.distributed as dist
 
-    from actors.learner import collate, mean_metrics, micro_batches, rl_loss, sft_backward, token_logprobs
+    from actors.learner import (collate, mean_metrics, micro_batches, reply_values, rl_loss, sft_backward,
+                                token_logprobs)
     from app.config import OptimConfig
 
     ctx = ray.train.get_context()
@@ -158,19 +159,22 @@ def train_loop_per_worker(cfg: dict[str, Any]) -> None:
         advantages = torch.tensor(np.asarray(data["advantage"], dtype=np.float32))
         # Behaviour log-probs: recomputed with the training weights before any update (so the first ratio is
         # exactly 1), or the engine's own (then ratio also absorbs the engine/trainer mismatch).
-        old = []
+        t0 = time.perf_counter()
+        old_by_row: list = []
+        mismatch = []
         for sl in micro_batches(n, optim.micro_batch_size):
-            batch = to_device(collate(data["prompt_ids"][sl], data["response_ids"][sl], pad_id,
-                                      extra=data["rollout_logprobs"][sl]))
+            batch = collate(data["prompt_ids"][sl], data["response_ids"][sl], pad_id,
+                            extra=data["rollout_logprobs"][sl])
+            rollout, mask = batch.pop("extra"), batch["response_mask"]
             if optim.old_logprobs == "recompute":
                 with torch.no_grad():
-                    logp, _ = token_logprobs(model, batch)
-                old.append((logp.cpu(), batch["extra"].cpu()))
+                    logp = token_logprobs(model, to_device(batch))[0].cpu()
+                mismatch.append(float(((logp - rollout).abs() * mask).sum() / mask.sum().clamp(min=1)))
             else:
-                old.append((batch["extra"].cpu(), batch["extra"].cpu()))
-        old_by_row = [o[0][i] for o in old for i in range(o[0].shape[0])]
-        rollout_by_row = [o[1][i] for o in old for i in range(o[1].shape[0])]
-        step_metrics, norms, mismatch = [], [], []
+                logp = rollout
+            old_by_row += reply_values(logp, mask)
+        old_logprob_seconds = time.perf_counter() - t0
+        step_metrics, norms = [], []
         update_seconds = 0.0
         for _ in range(optim.epochs):
             order = rng.permutation(n)
@@ -179,10 +183,8 @@ def train_loop_per_worker(cfg: dict[str, Any]) -> None:
                 for sl in micro_batches(len(mb), optim.micro_batch_size):
                     idx = mb[sl]
                     batch = collate([data["prompt_ids"][i] for i in idx], [data["response_ids"][i] for i in idx],
-                                    pad_id)
-                    width = batch["response_mask"].shape[1]
-                    batch["old_logprobs"] = torch.stack([_fit(old_by_row[i], width) for i in idx])
-                    rollout = torch.stack([_fit(rollout_by_row[i], width) for i in idx])
+                                    pad_id, extra=[old_by_row[i] for i in idx])
+                    batch["old_logprobs"] = batch.pop("extra")
                     batch["advantages"] = advantages[idx]
                     batch = to_device(batch)
                     ref = None
@@ -193,17 +195,15 @@ def train_loop_per_worker(cfg: dict[str, Any]) -> None:
                     loss, metrics = rl_loss(model, batch, optim, ref)
                     (loss * (len(idx) / len(mb))).backward()
                     update_seconds += time.perf_counter() - t0
-                    mask = batch["response_mask"].cpu()
-                    mismatch.append(float(((batch["old_logprobs"].cpu() - rollout).abs() * mask).sum()
-                                          / mask.sum().clamp(min=1)))
                     step_metrics.append(metrics)
                 t0 = time.perf_counter()
                 norms.append(optimizer_step())
                 update_seconds += time.perf_counter() - t0
         out = mean_metrics(step_metrics)
         # forward + backward + optimizer step of the update (the rest: data, old log-probs, collation)
-        out.update(update_seconds=update_seconds, grad_norm=float(np.mean(norms)), optimizer_steps=len(norms), rows=n,
-                   rollout_trainer_logprob_gap=float(np.mean(mismatch)))
+        out.update(update_seconds=update_seconds, old_logprob_seconds=old_logprob_seconds,
+                   grad_norm=float(np.mean(norms)), optimizer_steps=len(norms), rows=n,
+                   rollout_trainer_logprob_gap=float(np.mean(mismatch)) if mismatch else 0.0)
         return out
 
     def run_sft(data: dict[str, list], steps: int, batch_size: int, lr: float) -> dict[str, float]:
@@ -236,7 +236,10 @@ def train_loop_per_worker(cfg: dict[str, Any]) -> None:
         kind = task["kind"]
         result: dict[str, Any] = {}
         if kind == "rl":
-            metrics = run_rl(_rows(task["shards"][rank]))
+            t0 = time.perf_counter()
+            rows = _rows(task["shards"][rank])
+            read_seconds = time.perf_counter() - t0
+            metrics = {**run_rl(rows), "read_seconds": read_seconds}
         elif kind == "sft":
             if task.get("shards") is not None:
                 sft_data = _rows(task["shards"][rank])
@@ -275,16 +278,6 @@ def train_loop_per_worker(cfg: dict[str, Any]) -> None:
             result = {"error": traceback.format_exc(limit=8)}
         result.setdefault("metrics", {})["seconds"] = time.perf_counter() - started
         ray.get(mailbox.put_result.remote(task["id"], rank, result))
-
-
-def _fit(row, width: int):
-    """A per-row tensor laid out for another batch width: cut or zero-pad on the right."""
-    import torch
-
-    out = torch.zeros(width, dtype=row.dtype)
-    k = min(width, row.shape[0])
-    out[:k] = row[:k]
-    return out
 
 
 def _atomic_torch_save(obj: Any, path: str) -> None:

@@ -151,6 +151,9 @@ class ValidationConfig(_Section):
     every: int = Field(5, ge=0, description="iterations between validations (0 = never; also runs first and last)")
     n_envs: int = Field(64, ge=1, description="held-out seeds, one episode each")
     temperature: float = Field(0.0, ge=0.0)
+    baseline_envs: int | None = Field(
+        None, ge=0, description="held-out seeds (the first of the validation seeds) for the untrained policy's "
+                                "baseline before any training; None = n_envs, 0 = skip")
 
 
 class CheckpointConfig(_Section):
@@ -184,6 +187,14 @@ class TrainConfig(_Section):
     validation: ValidationConfig = ValidationConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     logging: LoggingConfig = LoggingConfig()
+
+    @model_validator(mode="after")
+    def _rollout_logprobs_are_the_policy(self) -> TrainConfig:
+        # The trainer's log-probs are of the untempered policy; the engine's equal them only at T=1 with no top-p cut.
+        if self.optim.old_logprobs == "rollout" and (self.rollout.temperature != 1.0 or self.rollout.top_p != 1.0):
+            raise ValueError("optim.old_logprobs 'rollout' needs rollout.temperature 1.0 and rollout.top_p 1.0 "
+                             "(the engine's log-probs are then the policy's); otherwise use 'recompute'")
+        return self
 
     @property
     def run_dir(self) -> Path:

@@ -46,7 +46,10 @@ class DefaultModelSpec:
 PRESETS: dict[str, DefaultModelSpec] = {
     "": DefaultModelSpec(),
     # Small enough for many optimizer steps a minute on 2 CPU cores (tests, the CPU learning demo).
-    "tiny": DefaultModelSpec(hidden_size=64, num_hidden_layers=2, num_attention_heads=1, num_key_value_heads=1,
+    # Two heads of 32 (vLLM's CPU attention takes head sizes from 32): one head must both find the box offset and
+    # the target offset in the prompt; two learn that from demonstrations in about half the steps (measured: 54% vs
+    # 36% held-out success after 800 warm-start steps).
+    "tiny": DefaultModelSpec(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
                              intermediate_size=192),
 }
 

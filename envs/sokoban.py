@@ -223,7 +223,7 @@ class Sokoban(TextEnv):
         num_boxes: int = 1,
         max_steps: int = 15,
         num_gen_steps: int | tuple[int, int] = (10, 20),
-        show_positions: bool = False,
+        show_positions: bool | str = False,
     ):
         height, width = dim_room
         if min(height, width) < 3 or (height - 2) * (width - 2) < num_boxes + 1:
@@ -233,9 +233,12 @@ class Sokoban(TextEnv):
         self.dim_room = (height, width)
         self.num_boxes = num_boxes
         self.num_gen_steps = num_gen_steps
-        # Row/column numbers under the grid: a small model reads "box row 3 col 2" far more easily than it counts
-        # cells across lines (see README, "The CPU default"). Derived from the state alone, so anchors stay exact.
-        self.show_positions = show_positions
+        # A line under the grid: row/column numbers (True or "absolute"), or "relative" offsets (the box from you,
+        # the target from the box), which a tiny model maps to a move much sooner than it counts cells across lines
+        # or subtracts coordinates (see README, "The CPU default"). Derived from the state alone: anchors stay exact.
+        if show_positions not in (False, True, "absolute", "relative"):
+            raise ValueError(f"show_positions={show_positions!r}; allowed: false, true, 'absolute', 'relative'")
+        self.show_positions = "absolute" if show_positions is True else show_positions
         self.room: Room | None = None
 
     def _new_episode(self, options: dict[str, Any] | None) -> None:
@@ -250,13 +253,27 @@ class Sokoban(TextEnv):
         grid = render_grid(self.room)
         if not self.show_positions:
             return grid
+        width = self.room.width
 
         def where(cells) -> str:
-            width = self.room.width
             return ", ".join(f"row {cell // width} col {cell % width}" for cell in sorted(cells))
 
-        return (f"{grid}\nYou: {where([self.room.player])}. Boxes: {where(self.room.boxes)}. "
-                f"Targets: {where(self.room.targets)}.")
+        if self.show_positions == "absolute":
+            return (f"{grid}\nYou: {where([self.room.player])}. Boxes: {where(self.room.boxes)}. "
+                    f"Targets: {where(self.room.targets)}.")
+
+        def offsets(cells, origin: int) -> str:
+            moves = []
+            for cell in sorted(cells):
+                rows, cols = cell // width - origin // width, cell % width - origin % width
+                moves.append(f"{abs(rows)} {'up' if rows < 0 else 'down'} {abs(cols)} {'left' if cols < 0 else 'right'}")
+            return ", ".join(moves)
+
+        boxes = f"Boxes: {offsets(self.room.boxes, self.room.player)} of you."
+        if len(self.room.boxes) == 1:
+            (box,) = self.room.boxes
+            return f"{grid}\n{boxes} Targets: {offsets(self.room.targets, box)} of the box."
+        return f"{grid}\n{boxes} Targets: {offsets(self.room.targets, self.room.player)} of you."
 
     def admissible_actions(self) -> list[str]:
         return list(MOVES)

@@ -109,3 +109,19 @@ def test_bad_room_sizes_raise() -> None:
         generate_room(np.random.default_rng(0), (3, 3), num_boxes=1)
     with pytest.raises(ValueError):
         Sokoban(dim_room=(4, 4), num_boxes=4)
+
+
+def test_position_lines_absolute_and_relative() -> None:
+    grid = "######\n#O___#\n#____#\n#XP__#\n######"
+    absolute, _ = Sokoban(show_positions=True).reset(options={"grid": grid})
+    assert absolute == grid + "\nYou: row 3 col 2. Boxes: row 3 col 1. Targets: row 1 col 1."
+    env = Sokoban(show_positions="relative")
+    relative, _ = env.reset(options={"grid": grid})
+    assert relative == grid + "\nBoxes: 0 down 1 left of you. Targets: 2 up 0 right of the box."
+    relative, *_ = env.step(act("up"))
+    assert relative.endswith("Boxes: 1 down 1 left of you. Targets: 2 up 0 right of the box.")
+    two_boxes, _ = env.reset(options={"grid": "#######\n#PX_XO#\n#____O#\n#######"})
+    assert two_boxes.endswith("Boxes: 0 down 1 right, 0 down 3 right of you. Targets: 0 down 4 right, "
+                              "1 down 4 right of you.")
+    with pytest.raises(ValueError, match="allowed"):
+        Sokoban(show_positions="grid")

@@ -71,3 +71,17 @@ def test_gpu_recipe_without_a_gpu_fails_before_any_actor_starts(monkeypatch):
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0})
     with pytest.raises(ValueError, match="trainer.use_gpu is true but this Ray cluster has no GPU"):
         build_train_app(app["args"])
+
+
+@pytest.mark.parametrize("args, words", [
+    ({"optim": {"lr": -1}}, ["args.optim.lr", "greater than 0"]),
+    ({"algorithm": {"estimator": "ppo2"}}, ["args.algorithm.estimator", "allowed"]),
+    ({"rollout": {"temperatur": 0.5}}, ["args.rollout.temperatur", "unknown field"]),
+    ({"optim": {"old_logprobs": "rollout"}, "rollout": {"temperature": 0.7}},
+     ["optim.old_logprobs", "rollout.temperature 1.0", "recompute"]),
+])
+def test_bad_train_config_names_the_field_and_what_is_allowed(args, words):
+    with pytest.raises(ValueError) as err:
+        load_train_config(args)
+    for word in words:
+        assert word in str(err.value)

@@ -68,6 +68,10 @@ def test_train_kill_checkpoint_serve_and_resume(ray_cluster, serve_url, tmp_path
         assert sum(r["faults/rerolled_groups"] + r["faults/dropped_groups"] for r in train) > 0, \
             "the killed actor's groups were neither re-rolled nor counted as dropped"
         assert all(r["data/rows"] > 0 for r in train)
+        # The trainer's log-probs of the sampled replies (left-padded batches, logits of the reply positions only)
+        # are the engine's: the first PPO ratio is 1 whichever way the behaviour log-probs are taken.
+        assert all(r["train/rollout_trainer_logprob_gap"] < 1e-3 for r in train), \
+            [r["train/rollout_trainer_logprob_gap"] for r in train]
         assert "val/random_policy_success" in history[0]
         assert any("val/success_rate" in r for r in train)
 
