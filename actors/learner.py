@@ -4,7 +4,7 @@ supervised (warm-start) loss. Plain torch, no Ray: the Train worker loop and `ra
 A step record is one (prompt, response) pair: `prompt_ids`, `response_ids`, and for RL also `rollout_logprobs`
 (per response token, from the engine) and `advantage` (one per row, from the estimator).
 
-Agent prompts are long and replies short (Sokoban: ~100 prompt tokens, ~4 reply tokens), so only the reply
+Agent prompts are long and replies short (Sokoban: ~130 prompt tokens, 9 reply tokens), so only the reply
 positions get logits: rows are left-padded so that every reply ends in the last column, and the model is asked for
 the logits of the last R+1 positions only (R = the longest reply). The [B, T, vocab] logits of the whole sequence,
 their log-softmax and entropy were most of a CPU update's time and memory.

@@ -120,8 +120,7 @@ def train_loop_per_worker(cfg: dict[str, Any]) -> None:
     import torch
     import torch.distributed as dist
 
-    from actors.learner import (collate, mean_metrics, micro_batches, reply_values, rl_loss, sft_backward,
-                                token_logprobs)
+    from actors.learner import collate, mean_metrics, micro_batches, reply_values, rl_loss, sft_backward, token_logprobs
     from app.config import OptimConfig
 
     ctx = ray.train.get_context()
@@ -160,19 +159,18 @@ def train_loop_per_worker(cfg: dict[str, Any]) -> None:
         # Behaviour log-probs: recomputed with the training weights before any update (so the first ratio is
         # exactly 1), or the engine's own (then ratio also absorbs the engine/trainer mismatch).
         t0 = time.perf_counter()
-        old_by_row: list = []
+        old_by_row = [torch.as_tensor(np.asarray(r, dtype=np.float32)) for r in data["rollout_logprobs"]]
         mismatch = []
-        for sl in micro_batches(n, optim.micro_batch_size):
-            batch = collate(data["prompt_ids"][sl], data["response_ids"][sl], pad_id,
-                            extra=data["rollout_logprobs"][sl])
-            rollout, mask = batch.pop("extra"), batch["response_mask"]
-            if optim.old_logprobs == "recompute":
+        if optim.old_logprobs == "recompute":
+            recomputed = []
+            for sl in micro_batches(n, optim.micro_batch_size):
+                batch = collate(data["prompt_ids"][sl], data["response_ids"][sl], pad_id, extra=old_by_row[sl])
+                rollout, mask = batch.pop("extra"), batch["response_mask"]
                 with torch.no_grad():
                     logp = token_logprobs(model, to_device(batch))[0].cpu()
                 mismatch.append(float(((logp - rollout).abs() * mask).sum() / mask.sum().clamp(min=1)))
-            else:
-                logp = rollout
-            old_by_row += reply_values(logp, mask)
+                recomputed += reply_values(logp, mask)
+            old_by_row = recomputed
         old_logprob_seconds = time.perf_counter() - t0
         step_metrics, norms = [], []
         update_seconds = 0.0
