@@ -226,7 +226,6 @@ def run_curve(records: list[dict[str, Any]]) -> dict[str, list[float]]:
 
 
 def compare(args: argparse.Namespace, overrides: dict[str, Any]) -> None:
-    import numpy as np
 
     work = Path(tempfile.mkdtemp(prefix="raygent-bench-compare-"))
     names = args.estimators.split(",")
@@ -246,25 +245,40 @@ def compare(args: argparse.Namespace, overrides: dict[str, Any]) -> None:
             runs[name].append({"seed": seed, "run": run, "curve": curve,
                                "random_policy_success": summarize(records)["random_policy_success"]})
             print(f"  final val success {curve['val_success'][-1] if curve['val_success'] else None}", flush=True)
+            # Written after every run, so a run cut short still leaves every finished run on disk.
+            write_compare(args, overrides, seeds, start_success, runs, complete=False)
+    write_compare(args, overrides, seeds, start_success, runs, complete=True)
+
+
+def write_compare(args: argparse.Namespace, overrides: dict[str, Any], seeds: list[int],
+                  start_success: float | None, runs: dict[str, list[dict[str, Any]]], complete: bool) -> None:
+    import numpy as np
+
+    done = {name: rs for name, rs in runs.items() if rs and all(r["curve"]["val_success"] for r in rs)}
     table = {}
-    for name in names:
-        finals = np.array([r["curve"]["val_success"][-1] for r in runs[name]])
+    for name, rs in done.items():
+        finals = np.array([r["curve"]["val_success"][-1] for r in rs])
         reach = [next((n for n, v in zip(r["curve"]["env_steps"], r["curve"]["val_success"], strict=True)
-                       if v >= args.reach), None) for r in runs[name]]
-        share = [v for r in runs[name] for v in r["curve"]["step_group_share"] if v is not None]
-        size = [v for r in runs[name] for v in r["curve"]["step_group_mean_size"] if v is not None]
-        table[name] = {"final_val_success_mean": float(finals.mean()), "final_val_success_std": float(finals.std()),
-                       "finals": finals.tolist(), f"env_steps_to_{args.reach}": reach,
+                       if v >= args.reach), None) for r in rs]
+        share = [v for r in rs for v in r["curve"]["step_group_share"] if v is not None]
+        size = [v for r in rs for v in r["curve"]["step_group_mean_size"] if v is not None]
+        table[name] = {"seeds": [r["seed"] for r in rs], "final_val_success_mean": float(finals.mean()),
+                       "final_val_success_std": float(finals.std()), "finals": finals.tolist(),
+                       f"env_steps_to_{args.reach}": reach,
                        "step_group_share_mean": float(np.mean(share)) if share else None,
                        "step_group_mean_size": float(np.mean(size)) if size else None}
-        print(f"{name:22s} final val success {finals.mean():.3f} +- {finals.std():.3f}  "
-              f"steps to {args.reach:.0%}: {reach}", flush=True)
+        if complete:
+            print(f"{name:22s} final val success {finals.mean():.3f} +- {finals.std():.3f}  "
+                  f"steps to {args.reach:.0%}: {reach}", flush=True)
     out = {"config": str(args.config), "overrides": overrides, "iterations": args.iterations, "seeds": seeds,
-           "warm_start_success": start_success, "reach_threshold": args.reach, "table": table, "runs": runs}
+           "complete": complete, "warm_start_success": start_success, "reach_threshold": args.reach,
+           "table": table, "runs": runs}
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"compare_{args.name}.json").write_text(json.dumps(out, indent=1) + "\n")
-    plot_compare(runs, out, RESULTS / f"compare_{args.name}.png")
-    print(f"wrote benchmarks/results/compare_{args.name}.json and .png")
+    if done:
+        plot_compare(done, out, RESULTS / f"compare_{args.name}.png")
+    if complete:
+        print(f"wrote benchmarks/results/compare_{args.name}.json and .png")
 
 
 def plot_compare(runs: dict[str, list[dict[str, Any]]], out: dict[str, Any], path: Path) -> None:
