@@ -2,9 +2,9 @@
 
 RL iterations of the config after a short warm start (600 steps; not part of any iteration), validation and
 checkpoints at their configured cadence, then the split of the mean iteration (the first one, which warms things
-up, is left out): rollout (of which generation: the slowest env-group actor's time waiting on the policy), dataset build with
-advantages, training (of which forward + backward + optimizer step on the workers), weight broadcast, and the
-validation and checkpoint time spread over the iterations. Goal: everything outside generation and the
+up, is left out): rollout (of which generation: the slowest env-group actor's time waiting on the policy), dataset
+build with advantages, training (of which forward + backward + optimizer step on the workers), weight broadcast,
+and the validation and checkpoint time spread over the iterations. Goal: everything outside generation and the
 forward/backward/optimizer step is at most 20% of an iteration.
 
 Usage (from the repo root):  python benchmarks/bench_iteration.py [--config ...] [--iterations 20]

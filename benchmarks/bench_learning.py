@@ -226,7 +226,6 @@ def run_curve(records: list[dict[str, Any]]) -> dict[str, list[float]]:
 
 
 def compare(args: argparse.Namespace, overrides: dict[str, Any]) -> None:
-
     work = Path(tempfile.mkdtemp(prefix="raygent-bench-compare-"))
     names = args.estimators.split(",")
     seeds = [int(s) for s in args.seeds.split(",")]
@@ -246,8 +245,8 @@ def compare(args: argparse.Namespace, overrides: dict[str, Any]) -> None:
                                "random_policy_success": summarize(records)["random_policy_success"]})
             print(f"  final val success {curve['val_success'][-1] if curve['val_success'] else None}", flush=True)
             # Written after every run, so a run cut short still leaves every finished run on disk.
-            write_compare(args, overrides, seeds, start_success, runs, complete=False)
-    write_compare(args, overrides, seeds, start_success, runs, complete=True)
+            last = (seed, name) == (seeds[-1], names[-1])
+            write_compare(args, overrides, seeds, start_success, runs, complete=last)
 
 
 def write_compare(args: argparse.Namespace, overrides: dict[str, Any], seeds: list[int],
