@@ -1,16 +1,22 @@
-"""Checkpoints: an HF folder (safetensors + config + tokenizer, loadable by vLLM and transformers as it is) plus the
-optimizer state and the controller's state, written into a temporary folder and renamed into place: a checkpoint
-folder either exists whole or not at all.
+"""The one place that knows a run folder's layout. Checkpoints are an HF folder (safetensors + config + tokenizer,
+loadable by vLLM and transformers as it is) plus the optimizer state and the controller's state, written into a
+temporary folder and renamed into place: a checkpoint folder either exists whole or not at all.
 
-    runs/<run>/checkpoints/iter_000010/
-        model/            config.json, generation_config.json, tokenizer files, model.safetensors
-        optimizer.pt      full (unsharded) AdamW state
-        state.json        iteration, weight version, seeds, config
+    runs/<run>/
+        reference/            the policy RL started from, when a warm start made it (the KL reference): an HF
+                              folder written once and never rotated
+        checkpoints/iter_000010/
+            model/            config.json, generation_config.json, tokenizer files, model.safetensors
+            optimizer.pt      full (unsharded) AdamW state
+            state.json        layout version, iteration, weight version, seeds, the KL reference, config
+
+Layout versions: 1 (no `reference_model` in state.json: the reference was whatever model the run loaded), 2.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -21,7 +27,9 @@ from typing import Any
 
 import numpy as np
 
+LAYOUT_VERSION = 2
 _NAME = re.compile(r"^iter_(\d{6})$")
+logger = logging.getLogger("raygent")
 
 
 def write_model_template(model_path: str, template_dir: Path) -> Path:
@@ -64,6 +72,9 @@ async def save_checkpoint(run_dir: Path, iteration: int, weights: dict[str, np.n
     final = root / f"iter_{iteration:06d}"
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-iter_{iteration:06d}-", dir=root))
     tmp.chmod(0o755)  # mkdtemp makes it private; a checkpoint is meant to be read by other users and tools
+    state = {"layout_version": LAYOUT_VERSION, **state}
+    if state.get("reference_model"):
+        state["reference_model"] = _relative_to(state["reference_model"], run_dir)
     try:
         save_model(weights, template_dir, tmp / "model")
         if save_optimizer is not None:
@@ -95,3 +106,41 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 def load_state(checkpoint: Path) -> dict[str, Any]:
     return json.loads((Path(checkpoint) / "state.json").read_text())
+
+
+def _relative_to(path: str, run_dir: Path) -> str:
+    """A path inside the run folder is stored relative to it, so a run folder that moves keeps working."""
+    p = Path(path)
+    try:
+        return str(p.resolve().relative_to(Path(run_dir).resolve()))
+    except ValueError:
+        return path
+
+
+def save_reference(run_dir: Path, weights: dict[str, np.ndarray], template_dir: Path) -> Path:
+    """Write the run's KL reference (the policy RL starts from) once, atomically, outside the rotating checkpoints."""
+    final = Path(run_dir) / "reference"
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-reference-", dir=run_dir))
+    tmp.chmod(0o755)
+    try:
+        save_model(weights, template_dir, tmp)
+        if final.exists():  # a re-run warm start (resume: never) replaces it; the old one is not needed any more
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def reference_model_of(checkpoint: Path, state: dict[str, Any]) -> str:
+    """The KL reference recorded in a checkpoint's state (relative paths are inside its run folder)."""
+    checkpoint = Path(checkpoint)
+    ref = state.get("reference_model")
+    if not ref:
+        logger.warning("%s has no reference_model in its state (layout version %s): the KL reference becomes the "
+                       "resumed weights", checkpoint, state.get("layout_version", 1))
+        return str(checkpoint / "model")
+    path = Path(ref)
+    if not path.is_absolute() and (checkpoint.parent.parent / path).exists():
+        return str((checkpoint.parent.parent / path).resolve())
+    return ref

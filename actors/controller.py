@@ -17,31 +17,24 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
 import ray
 
 import envs
-from actors.checkpoint import load_state, save_checkpoint, write_model_template
+from actors.batch import build_batch, split_for_workers
+from actors.checkpoint import (
+    load_state,
+    reference_model_of,
+    save_checkpoint,
+    save_reference,
+    write_model_template,
+)
 from actors.demonstrations import demo_players
 from actors.env_group import EnvGroupActor
 from actors.metrics import MetricsSink
 from actors.trainer import TrainerGroup
-from algorithms import apply_invalid_action_penalty, compute_advantages, dynamic_sampling_mask, step_group_stats
+from algorithms import step_group_stats
 
 logger = logging.getLogger("raygent")
-
-
-def add_advantages(batch: pa.Table, *, estimator: str, params: dict[str, Any], penalty: float,
-                   dynamic_sampling: bool) -> pa.Table:
-    """Ray Data map_batches function over one env-group actor's block, which holds whole groups."""
-    rewards = apply_invalid_action_penalty(batch["reward"].to_numpy(), batch["valid"].to_numpy(), penalty)
-    group_ids, traj_ids = batch["group_id"].to_numpy(), batch["traj_id"].to_numpy()
-    anchors = np.asarray(batch["anchor"].to_pylist(), dtype=object)
-    advantages = compute_advantages(estimator, group_ids, traj_ids, anchors, rewards, **params)
-    table = batch.append_column("advantage", pa.array(advantages, pa.float32()))
-    if dynamic_sampling:
-        table = table.filter(pa.array(dynamic_sampling_mask(group_ids, traj_ids, rewards)))
-    return table
 
 
 def _quiet_ray_data() -> None:
@@ -62,7 +55,7 @@ def _setup_logging() -> None:
 @ray.remote(num_cpus=0, max_restarts=0)
 class Controller:
     def __init__(self, config: dict[str, Any], policy: Any, model_path: str, resume_from: str | None = None):
-        from app.config import TrainConfig
+        from actors.config import TrainConfig
 
         _setup_logging()
         _quiet_ray_data()
@@ -135,12 +128,17 @@ class Controller:
     async def _setup(self) -> None:
         cfg = self.cfg
         resumed = None
+        # The KL reference is the policy RL starts from: the starting model, replaced after a warm start; a resumed
+        # run reads it from the checkpoint's state, never the resumed weights.
+        self.reference_model = self.model_path
         if self.resume_from is not None:
             resumed = load_state(self.resume_from)
             self.iteration, self.version = resumed["iteration"], resumed["weight_version"]
             self.warm_start_done = resumed.get("warm_start_done", False)
             self.last_checkpoint = str(self.resume_from)
-            logger.info("resuming %s from %s (next iteration %d)", cfg.run_name, self.resume_from, self.iteration)
+            self.reference_model = reference_model_of(self.resume_from, resumed)
+            logger.info("resuming %s from %s (next iteration %d; KL reference %s)", cfg.run_name, self.resume_from,
+                        self.iteration, self.reference_model)
         self.sink = MetricsSink(self.run_dir, cfg.run_name, cfg.logging, self.config_dict, resume=resumed is not None)
         (self.run_dir / "config.json").write_text(json.dumps(self.config_dict, indent=2))
         self.template = write_model_template(self.model_path, self.run_dir / "model_template")
@@ -152,8 +150,10 @@ class Controller:
         await asyncio.gather(*(a.ready.remote() for a in self.env_actors))
         optimizer_state = self.resume_from / "optimizer.pt" if self.resume_from else None
         self.trainer = TrainerGroup(cfg.run_name, str(self.run_dir), cfg.trainer, {
-            "model_path": self.model_path, "ref_model_path": self.model_path, "optim": cfg.optim.model_dump(),
-            "seed": cfg.seed, "pad_id": pad_id,
+            "model_path": self.model_path, "ref_model_path": self.reference_model, "optim": cfg.optim.model_dump(),
+            "seed": cfg.seed, "pad_id": pad_id, "norm_length": cfg.loss_norm_length, "iterations": cfg.iterations,
+            "mixed_precision": cfg.trainer.mixed_precision,
+            "activation_checkpointing": cfg.trainer.activation_checkpointing,
             "optimizer_state": str(optimizer_state) if optimizer_state and optimizer_state.exists() else None,
         })
         self.trainer.start()
@@ -236,7 +236,7 @@ class Controller:
                        "data/step_group_mean_size": stats["step_group_mean_size"],
                        "data/advantage_abs_mean": float(np.abs(summary["advantage"]).mean()),
                        "data/advantage_std": float(summary["advantage"].std())})
-        results = await self.trainer.run({"kind": "rl", "shards": shards, "want_weights": True})
+        results = await self.trainer.run({"kind": "rl", "shards": shards, "iteration": it, "want_weights": True})
         t_train = time.perf_counter()
         record.update({f"train/{k}": v for k, v in results[0]["metrics"].items()})
         await self._broadcast(results[0]["weights"][0])
@@ -247,17 +247,13 @@ class Controller:
         return record
 
     def _build_dataset(self, tables: list[Any]):
-        """The iteration's Dataset from the env-group actors' blocks (never gathered here), advantages per block
-        (each block holds whole groups), then one equal shard per training worker."""
-        algo = self.cfg.algorithm
-        ds = ray.data.from_arrow_refs(tables).map_batches(
-            add_advantages, batch_size=None, batch_format="pyarrow", zero_copy_batch=True, num_cpus=0.25,
-            fn_kwargs={"estimator": algo.estimator, "params": algo.params, "penalty": algo.invalid_action_penalty,
-                       "dynamic_sampling": algo.dynamic_sampling}).materialize()
+        """The iteration's Dataset from the env-group actors' blocks (`actors.batch`: advantages where the rows
+        are, whole-batch statistics merged from the blocks), then one shard per training worker, no row dropped."""
+        ds = build_batch(tables, self.cfg.algorithm)
         summary = ds.select_columns(["group_id", "anchor", "advantage"]).to_pandas()
-        if len(summary) < self.cfg.trainer.num_workers:
+        if len(summary) == 0:
             return None, summary, None
-        return ds, summary, ds.split(self.cfg.trainer.num_workers, equal=True)
+        return ds, summary, split_for_workers(ds, self.cfg.trainer.num_workers)
 
     def _sampling(self, temperature: float) -> dict[str, Any]:
         r = self.cfg.rollout
@@ -359,7 +355,7 @@ class Controller:
         weights = await self.latest_weights
         state = {"iteration": self.iteration, "weight_version": self.version, "seed": self.cfg.seed,
                  "warm_start_done": self.warm_start_done, "run_name": self.cfg.run_name, "time": time.time(),
-                 "config": self.config_dict}
+                 "reference_model": self.reference_model, "config": self.config_dict}
 
         async def save_optimizer(path: str) -> None:
             await self.trainer.run({"kind": "save_optimizer", "path": path})
@@ -382,7 +378,7 @@ class Controller:
         tables = [t for t, _ in calls]
         n_rows = sum(m["rows"] for m in await asyncio.gather(*(m for _, m in calls)))
         ds = await asyncio.to_thread(lambda: ray.data.from_arrow_refs(tables).materialize())
-        shards = await asyncio.to_thread(lambda: ds.split(self.cfg.trainer.num_workers, equal=True))
+        shards = await asyncio.to_thread(split_for_workers, ds, self.cfg.trainer.num_workers)
         logger.info("warm start: %d demonstration steps from %d episodes", n_rows, ws.demo_seeds)
         bar = tqdm(total=ws.steps, desc="warm start (supervised)")
         done, first = 0, True
@@ -403,6 +399,9 @@ class Controller:
                 break
         bar.close()
         await self.trainer.run({"kind": "reset_optimizer"})
+        # RL starts from here: this policy is the KL reference from now on, kept outside the rotating checkpoints.
+        self.reference_model = str(save_reference(self.run_dir, await self.latest_weights, self.template))
+        await self.trainer.run({"kind": "set_reference"})
         self.warm_start_done = True
         await self._checkpoint()
         self.phase = "training"

@@ -32,6 +32,7 @@ RECORD_SCHEMA = pa.schema([
     ("reward", pa.float32()),
     ("valid", pa.bool_()),
     ("anchor", pa.string()),
+    ("action", pa.string()),  # the parsed action (None when invalid): HGPO's history keys may include it
     ("group_id", pa.int64()),
     ("traj_id", pa.int64()),
     ("step", pa.int32()),
@@ -119,6 +120,7 @@ class EnvGroupActor:
                     rows["reward"].append(float(rewards[i]))
                     rows["valid"].append(bool(info["is_action_valid"]))
                     rows["anchor"].append(str(infos[i]["anchor"]))
+                    rows["action"].append(info.get("action"))
                     rows["group_id"].append(group_offset + i // group_size)
                     rows["traj_id"].append((group_offset + i // group_size) * group_size + i % group_size)
                     rows["step"].append(int(lengths[i] - 1))

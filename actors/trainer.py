@@ -55,28 +55,67 @@ class TrainMailbox:
         return [done[r] for r in range(self.world_size)]
 
 
-def _setup_model(cfg: dict[str, Any], world: int):
+def _load_model(path: str, device, strategy: str, mesh, cfg: dict[str, Any], trainable: bool):
+    """An HF model on `device` in float32 (the master weights), sharded with FSDP2 per decoder layer and then at the
+    root (the FSDP2 recipe), bf16 compute under `mixed_precision: bf16` (float32 gradient reduction)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    device = torch.device("cuda", torch.cuda.current_device()) if cfg["use_gpu"] else torch.device("cpu")
-    model = AutoModelForCausalLM.from_pretrained(cfg["model_path"], dtype=torch.float32).to(device)
-    model.train()
-    strategy = cfg["strategy"] if world > 1 else "none"
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
+    if trainable:
+        model.train()
+        if cfg.get("activation_checkpointing"):
+            model.config.use_cache = False
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.eval().requires_grad_(False)
     if strategy == "fsdp":
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        mesh = init_device_mesh(device.type, (world,))
-        # Shard each decoder layer, then the root (embeddings, final norm, tied head): the FSDP2 recipe.
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+            if cfg.get("mixed_precision") == "bf16" else MixedPrecisionPolicy()
         for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-    elif strategy == "ddp":
+            fully_shard(layer, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
+    elif strategy == "ddp" and trainable:
         from torch.nn.parallel import DistributedDataParallel
 
         model = DistributedDataParallel(model)
-    return model, device, strategy
+    return model
+
+
+def setup_models(cfg: dict[str, Any], world: int):
+    """The policy (trainable) and, when `kl_coef > 0`, the frozen reference model sharded the same way; the device,
+    the strategy in effect (one worker runs unsharded) and the autocast dtype (bf16 without FSDP2's policy)."""
+    import torch
+
+    device = torch.device("cuda", torch.cuda.current_device()) if cfg["use_gpu"] else torch.device("cpu")
+    strategy = cfg["strategy"] if world > 1 else "none"
+    mesh = None
+    if strategy == "fsdp":
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(device.type, (world,))
+    model = _load_model(cfg["model_path"], device, strategy, mesh, cfg, trainable=True)
+    ref = None
+    if cfg["optim"].get("kl_coef", 0) > 0:
+        ref = _load_model(cfg["ref_model_path"], device, strategy, mesh, cfg, trainable=False)
+    autocast_dtype = torch.bfloat16 if cfg.get("mixed_precision") == "bf16" and strategy != "fsdp" else None
+    return model, ref, device, strategy, autocast_dtype
+
+
+def copy_weights(source, target) -> None:
+    """target's parameters := source's, in place; both sharded alike (FSDP2 shards, or whole tensors)."""
+    import torch
+
+    source = getattr(source, "module", source)  # DDP wraps the trainable model only
+    with torch.no_grad():
+        pairs = zip(source.named_parameters(), target.named_parameters(), strict=True)
+        for (name, p), (ref_name, r) in pairs:
+            if name != ref_name:
+                raise RuntimeError(f"reference and policy differ: {name} vs {ref_name}")
+            local = p.to_local() if hasattr(p, "to_local") else p
+            (r.to_local() if hasattr(r, "to_local") else r).copy_(local)
 
 
 def _full_state_dict(model, strategy: str) -> dict[str, np.ndarray]:
@@ -115,118 +154,28 @@ def _rows(shard) -> dict[str, list]:
 
 
 def train_loop_per_worker(cfg: dict[str, Any]) -> None:
-    """Runs on every Train worker for the whole run."""
+    """Runs on every Train worker for the whole run: take the next task from the mailbox, run it (the update itself
+    is `actors.learner`), hand the result back."""
     import ray.train
     import torch
-    import torch.distributed as dist
 
-    from actors.learner import collate, mean_metrics, micro_batches, reply_values, rl_loss, sft_backward, token_logprobs
-    from app.config import OptimConfig
+    from actors.config import OptimConfig
+    from actors.learner import Collective, lr_at, rl_step, sft_step
 
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     torch.manual_seed(cfg["seed"])
     torch.set_num_threads(max(1, int(cfg.get("threads", 1))))
     mailbox = ray.get_actor(cfg["mailbox"], namespace=cfg["namespace"])
-    model, device, strategy = _setup_model(cfg, world)
+    model, ref_model, device, strategy, autocast_dtype = setup_models(cfg, world)
+    collective = Collective.from_torch()
     optim = OptimConfig.model_validate(cfg["optim"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=optim.betas,
                                   weight_decay=optim.weight_decay)
     if cfg.get("optimizer_state"):
         _load_optimizer_state(model, optimizer, strategy, torch.load(cfg["optimizer_state"], weights_only=False))
-    ref_model = None
-    if optim.kl_coef > 0:
-        from transformers import AutoModelForCausalLM
-
-        ref_model = AutoModelForCausalLM.from_pretrained(cfg["ref_model_path"], dtype=torch.float32).to(device).eval()
     pad_id = cfg["pad_id"]
     rng = np.random.default_rng(cfg["seed"] + rank)
-
-    def to_device(batch):
-        return {k: v.to(device) for k, v in batch.items()}
-
-    def optimizer_step() -> float:
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), optim.grad_clip)
-        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return float(norm)
-
-    def run_rl(data: dict[str, list]) -> dict[str, float]:
-        n = len(data["prompt_ids"])
-        local_minibatch = max(1, optim.minibatch_size // world)
-        advantages = torch.tensor(np.asarray(data["advantage"], dtype=np.float32))
-        # Behaviour log-probs: recomputed with the training weights before any update (so the first ratio is
-        # exactly 1), or the engine's own (then ratio also absorbs the engine/trainer mismatch).
-        t0 = time.perf_counter()
-        old_by_row = [torch.as_tensor(np.asarray(r, dtype=np.float32)) for r in data["rollout_logprobs"]]
-        mismatch = []
-        if optim.old_logprobs == "recompute":
-            recomputed = []
-            for sl in micro_batches(n, optim.micro_batch_size):
-                batch = collate(data["prompt_ids"][sl], data["response_ids"][sl], pad_id, extra=old_by_row[sl])
-                rollout, mask = batch.pop("extra"), batch["response_mask"]
-                with torch.no_grad():
-                    logp = token_logprobs(model, to_device(batch))[0].cpu()
-                mismatch.append(float(((logp - rollout).abs() * mask).sum() / mask.sum().clamp(min=1)))
-                recomputed += reply_values(logp, mask)
-            old_by_row = recomputed
-        old_logprob_seconds = time.perf_counter() - t0
-        step_metrics, norms = [], []
-        update_seconds = 0.0
-        for _ in range(optim.epochs):
-            order = rng.permutation(n)
-            for mb_start in range(0, n, local_minibatch):
-                mb = order[mb_start:mb_start + local_minibatch]
-                for sl in micro_batches(len(mb), optim.micro_batch_size):
-                    idx = mb[sl]
-                    batch = collate([data["prompt_ids"][i] for i in idx], [data["response_ids"][i] for i in idx],
-                                    pad_id, extra=[old_by_row[i] for i in idx])
-                    batch["old_logprobs"] = batch.pop("extra")
-                    batch["advantages"] = advantages[idx]
-                    batch = to_device(batch)
-                    ref = None
-                    if ref_model is not None:
-                        with torch.no_grad():
-                            ref, _ = token_logprobs(ref_model, batch)
-                    t0 = time.perf_counter()
-                    loss, metrics = rl_loss(model, batch, optim, ref)
-                    (loss * (len(idx) / len(mb))).backward()
-                    update_seconds += time.perf_counter() - t0
-                    step_metrics.append(metrics)
-                t0 = time.perf_counter()
-                norms.append(optimizer_step())
-                update_seconds += time.perf_counter() - t0
-        out = mean_metrics(step_metrics)
-        # forward + backward + optimizer step of the update (the rest: data, old log-probs, collation)
-        out.update(update_seconds=update_seconds, old_logprob_seconds=old_logprob_seconds,
-                   grad_norm=float(np.mean(norms)), optimizer_steps=len(norms), rows=n,
-                   rollout_trainer_logprob_gap=float(np.mean(mismatch)) if mismatch else 0.0)
-        return out
-
-    def run_sft(data: dict[str, list], steps: int, batch_size: int, lr: float) -> dict[str, float]:
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        n = len(data["prompt_ids"])
-        local = max(1, batch_size // world)
-        metrics = []
-        for _ in range(steps):
-            idx = rng.choice(n, size=min(local, n), replace=False)
-            metrics += sft_backward(model, data["prompt_ids"], data["response_ids"], idx, pad_id,
-                                    optim.micro_batch_size, device)
-            optimizer_step()
-        for group in optimizer.param_groups:
-            group["lr"] = optim.lr
-        return mean_metrics(metrics)
-
-    def all_reduce_mean(metrics: dict[str, float]) -> dict[str, float]:
-        if world == 1:
-            return metrics
-        keys = sorted(metrics)
-        t = torch.tensor([metrics[k] for k in keys], dtype=torch.float64)
-        dist.all_reduce(t)
-        return {k: float(v) / world for k, v in zip(keys, t.tolist(), strict=True)}
-
     sft_data = None
 
     def run_task(task: dict[str, Any]) -> dict[str, Any]:
@@ -237,15 +186,33 @@ def train_loop_per_worker(cfg: dict[str, Any]) -> None:
             t0 = time.perf_counter()
             rows = _rows(task["shards"][rank])
             read_seconds = time.perf_counter() - t0
-            metrics = {**run_rl(rows), "read_seconds": read_seconds}
+            t0 = time.perf_counter()
+            metrics = rl_step(model, optimizer, rows, optim, lr=lr_at(optim, task["iteration"], cfg["iterations"]),
+                              norm_length=cfg["norm_length"], pad_id=pad_id, device=device, rng=rng,
+                              collective=collective, ref_model=ref_model, autocast_dtype=autocast_dtype)
+            metrics.update(read_seconds=read_seconds, update_seconds=time.perf_counter() - t0)
         elif kind == "sft":
             if task.get("shards") is not None:
                 sft_data = _rows(task["shards"][rank])
-            metrics = run_sft(sft_data, task["steps"], task["batch_size"], task["lr"])
+            n = len(sft_data["prompt_ids"]) if sft_data else 0
+            losses = []
+            for _ in range(task["steps"]):
+                # each rank draws its share of the batch from its own shard; the loss is the mean over all of them
+                rows = rng.choice(n, size=min(max(1, task["batch_size"] // world), n), replace=False)
+                losses.append(sft_step(model, optimizer, sft_data["prompt_ids"], sft_data["response_ids"], rows,
+                                       lr=task["lr"], micro_batch_size=optim.micro_batch_size,
+                                       grad_clip=optim.grad_clip, pad_id=pad_id, device=device,
+                                       collective=collective, autocast_dtype=autocast_dtype)["sft_loss"])
+            metrics = {"sft_loss": float(np.mean(losses))}
         elif kind == "reset_optimizer":
             # A new stage (RL after the supervised warm start) starts with fresh Adam moments: the warm start's
             # large-gradient second moments would otherwise shrink RL's first updates by an order of magnitude.
             optimizer.state.clear()
+            metrics = {}
+        elif kind == "set_reference":
+            # After the warm start: the reference becomes the policy RL starts from (shard by shard, no reload).
+            if ref_model is not None:
+                copy_weights(model, ref_model)
             metrics = {}
         elif kind == "save_optimizer":
             state = _optimizer_state(model, optimizer, strategy)
@@ -254,7 +221,7 @@ def train_loop_per_worker(cfg: dict[str, Any]) -> None:
             metrics = {}
         else:
             raise ValueError(f"unknown trainer task {kind!r}")
-        result["metrics"] = all_reduce_mean(metrics)
+        result["metrics"] = metrics  # already global (all-reduced inside the steps)
         if task.get("want_weights"):
             weights = _full_state_dict(model, strategy)
             if rank == 0:

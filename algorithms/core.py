@@ -182,8 +182,9 @@ def group_mean(values: np.ndarray, codes: np.ndarray, n: int) -> np.ndarray:
     return group_sum(values, codes, n) / np.maximum(count, 1)
 
 
-def group_std(values: np.ndarray, codes: np.ndarray, n: int, mean: np.ndarray | None = None) -> np.ndarray:
-    """Per-group unbiased standard deviation (ddof=1, like `torch.std`); 0 for groups of size < 2.
+def group_std(values: np.ndarray, codes: np.ndarray, n: int, mean: np.ndarray | None = None, ddof: int = 1
+              ) -> np.ndarray:
+    """Per-group standard deviation, unbiased by default (ddof=1, like `torch.std`); 0 for groups of size <= ddof.
 
     Two passes (mean, then squared deviations) instead of E[x^2] - E[x]^2, which cancels catastrophically when the
     spread is small next to the mean.
@@ -192,22 +193,65 @@ def group_std(values: np.ndarray, codes: np.ndarray, n: int, mean: np.ndarray | 
         mean = group_mean(values, codes, n)
     count = group_count(codes, n)
     sq_dev = group_sum((values - mean[codes]) ** 2, codes, n)
-    return np.sqrt(sq_dev / np.maximum(count - 1, 1))
+    return np.sqrt(sq_dev / np.maximum(count - ddof, 1))
 
 
-def group_normalize(values: np.ndarray, codes: np.ndarray, n: int, *, mode: str, epsilon: float) -> np.ndarray:
+SINGLETON_MODES = ("zero", "raw")
+
+
+def group_normalize(values: np.ndarray, codes: np.ndarray, n: int, *, mode: str, epsilon: float, ddof: int = 1,
+                    singleton: str = "zero") -> np.ndarray:
     """Group-relative score of every element: x - mean (mean_norm) or (x - mean) / (std + eps) (mean_std_norm).
 
-    Elements alone in their group get 0: there is nothing to compare them with.
+    An element alone in its group has nothing to be compared with: it gets 0 (`singleton="zero"`), or its raw value
+    as if the group had mean 0 and std 1 (`singleton="raw"`, what the public GiGPO code does for a lone episode).
     """
     check_mode(mode)
+    if singleton not in SINGLETON_MODES:
+        raise ValueError(f"unknown singleton mode {singleton!r}; expected one of {SINGLETON_MODES}")
     mean = group_mean(values, codes, n)
     out = values - mean[codes]
     if mode == "mean_std_norm":
-        out = out / (group_std(values, codes, n, mean)[codes] + epsilon)
+        out = out / (group_std(values, codes, n, mean, ddof)[codes] + epsilon)
+    alone = group_count(codes, n)[codes] < 2
     # A singleton's deviation is already exactly 0; set it explicitly so the rule does not hinge on rounding.
-    out[group_count(codes, n)[codes] < 2] = 0.0
+    if singleton == "zero":
+        out[alone] = 0.0
+    else:
+        out[alone] = values[alone] / (1.0 + epsilon) if mode == "mean_std_norm" else values[alone]
     return out
+
+
+@dataclass(frozen=True)
+class Moments:
+    """Count, mean and sum of squared deviations of some values: statistics of a whole batch gathered from its parts
+    (e.g. the blocks of a Ray Dataset) without moving the values (Chan et al.'s pairwise merge, exact up to
+    rounding)."""
+
+    count: float = 0.0
+    mean: float = 0.0
+    m2: float = 0.0
+
+    @classmethod
+    def of(cls, values: np.ndarray) -> Moments:
+        values = np.asarray(values, dtype=np.float64)
+        if len(values) == 0:
+            return cls()
+        mean = float(values.mean())
+        return cls(float(len(values)), mean, float(((values - mean) ** 2).sum()))
+
+    def merge(self, other: Moments) -> Moments:
+        if other.count == 0:
+            return self
+        if self.count == 0:
+            return other
+        count = self.count + other.count
+        delta = other.mean - self.mean
+        return Moments(count, self.mean + delta * other.count / count,
+                       self.m2 + other.m2 + delta**2 * self.count * other.count / count)
+
+    def std(self, ddof: int = 1) -> float:
+        return float(np.sqrt(self.m2 / max(self.count - ddof, 1)))
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -11,10 +11,14 @@ Two levels of group-relative advantage, no critic:
    group, with the same normalization.
 The combined advantage is A = A_E + step_weight * A_S (Eq. 8). One value per row, broadcast later to its tokens.
 
+Lone states. A step alone in its step group gets A_S = 0, as in the public reference implementation (verl-agent's
+`gigpo/core_gigpo.py`, read at commit 20bd331: a singleton's mean is its own value and its std 1, so (x - x) / 1).
+A trajectory alone in its group gets A_E = 0 by default; `singleton="reference"` gives it its raw return instead
+(the reference's episode level uses mean 0 and std 1 for a lone trajectory).
+
 Where this differs from the public reference implementation (deliberately, and as our design asks):
 - The episode-level mean/std count each trajectory once. The reference's default counts each trajectory once per
   step, which weights long trajectories more.
-- A trajectory alone in its group gets A_E = 0; the reference gives it its raw return (mean 0, std 1).
 - Everything is vectorized group-bys (O(N log N) sort + O(N) bincounts) instead of a per-row search over the batch.
 """
 
@@ -44,6 +48,7 @@ from algorithms.similarity import cluster_similar_texts
 GAMMA = 0.95
 STEP_WEIGHT = 1.0
 EPSILON = 1e-6
+SINGLETON_CHOICES = ("zero", "reference")
 
 
 def step_group_codes(
@@ -69,13 +74,17 @@ def compute_gigpo_advantages(
     mode: str = "mean_norm",
     epsilon: float = EPSILON,
     anchor_similarity: float | None = None,
+    singleton: str = "zero",
 ) -> np.ndarray:
     """GiGPO advantage of every step row (float32, same order as the inputs).
 
     `anchor_similarity` (in (0, 1]): when set, anchor texts of one group whose character 3-gram Jaccard similarity is
     at least this share a step group (see `algorithms.similarity`); 1.0 or None means identical anchors only.
+    `singleton`: "zero" (a lone trajectory gets A_E = 0) or "reference" (its raw return, as the public code does).
     """
     check_mode(mode)
+    if singleton not in SINGLETON_CHOICES:
+        raise ValueError(f"unknown singleton {singleton!r}; expected one of {SINGLETON_CHOICES}")
     if not 0.0 <= gamma <= 1.0:
         raise ValueError(f"gamma must be in [0, 1], got {gamma}")
     rewards = as_float_array(step_rewards, "step_rewards")
@@ -85,7 +94,8 @@ def compute_gigpo_advantages(
 
     # Episode level (Eq. 3): one return per trajectory, so each trajectory counts once in its group's statistics.
     episode_return = group_sum(rewards, idx.row_traj, idx.n_traj)
-    a_episode = group_normalize(episode_return, idx.traj_group, idx.n_groups, mode=mode, epsilon=epsilon)
+    a_episode = group_normalize(episode_return, idx.traj_group, idx.n_groups, mode=mode, epsilon=epsilon,
+                                singleton="raw" if singleton == "reference" else "zero")
 
     # Step level (Eqs. 5-7): discounted return-to-go of every row, compared within its anchor-state group.
     position, next_row, _ = trajectory_layout(idx.row_traj, idx.n_traj)

@@ -4,11 +4,12 @@ Shapes: `logprobs`, `old_logprobs`, `ref_logprobs`, `mask` are [B, T] (B respons
 response tokens, 0 on padding); `advantages` is [B] (one per response, broadcast to its tokens) or [B, T];
 `logits` is [B, T, V].
 
-- `policy_loss`: PPO's clipped surrogate (Schulman et al., 2017, arXiv 1707.06347, Eq. 7) with separate lower and
+- `policy_loss_terms` / `policy_loss`: PPO's clipped surrogate (Schulman et al., 2017, arXiv 1707.06347, Eq. 7) with separate lower and
   upper clip ranges (DAPO's "clip-higher", Yu et al., 2025, arXiv 2503.14476, Sec. 3.1), and GSPO's
   sequence-level ratio (Zheng et al., 2025, arXiv 2507.18071) as an option.
-- `aggregate_loss`: how per-token losses become one number (token-mean, seq-mean-token-sum, seq-mean-token-mean,
-  seq-mean-token-sum-norm), the choice that DAPO and Dr. GRPO show to matter.
+- `aggregate_loss` / `loss_denominator`: how per-token losses become one number (token-mean, seq-mean-token-sum,
+  seq-mean-token-mean, seq-mean-token-sum-norm), the choice that DAPO and Dr. GRPO show to matter, over a whole
+  minibatch however it is split into micro-batches and ranks.
 - `kl_penalty` / `kl_loss`: per-token KL(pi || pi_ref) estimators k1, k2, k3 (Schulman, "Approximating KL
   divergence", 2020); k3 is the low-variance, always >= 0 one that GRPO and GiGPO use.
 - `entropy_from_logits` / `entropy_bonus`.
@@ -37,36 +38,61 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> 
     return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
 
 
+def loss_denominator(mask: torch.Tensor, loss_agg_mode: str = "token-mean") -> torch.Tensor:
+    """What `loss_agg_mode` divides by, counted over the rows of `mask`: response tokens for "token-mean", responses
+    with at least one token for every "seq-mean-*" mode. Sum it over every micro-batch and rank of a minibatch and
+    hand the total to `aggregate_loss(denominator=...)`: the micro-batch losses then add up to the minibatch's loss
+    exactly, however the minibatch is cut."""
+    if loss_agg_mode not in LOSS_AGG_MODES:
+        raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; expected one of {LOSS_AGG_MODES}")
+    mask = mask.detach().to(torch.float64)
+    if loss_agg_mode == "token-mean":
+        return mask.sum()
+    return (mask.sum(-1) > 0).sum().to(torch.float64)
+
+
 def aggregate_loss(
-    loss: torch.Tensor, mask: torch.Tensor, loss_agg_mode: str = "token-mean", *, norm_length: int | None = None
+    loss: torch.Tensor,
+    mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    *,
+    norm_length: int | None = None,
+    denominator: torch.Tensor | float | None = None,
 ) -> torch.Tensor:
     """Reduce a [B, T] per-token loss to a scalar.
 
-    - "token-mean": mean over all response tokens of the batch; every token weighs the same (DAPO, Sec. 3.3).
-    - "seq-mean-token-sum": sum over each response's tokens, mean over responses.
+    - "token-mean": sum over all response tokens / number of tokens; every token weighs the same (DAPO, Sec. 3.3).
+    - "seq-mean-token-sum": each response's token sum, averaged over responses.
     - "seq-mean-token-mean": mean within each response, then over responses (original GRPO; GSPO's sequence loss);
       every response weighs the same, so long responses' tokens weigh less.
-    - "seq-mean-token-sum-norm": token sum divided by a constant `norm_length` (default T) instead of each
-      response's length, then mean over responses (Dr. GRPO: no length bias).
+    - "seq-mean-token-sum-norm": each response's token sum divided by the constant `norm_length` (Dr. GRPO: the
+      maximum response length of the run; default T, the width of this batch), averaged over responses: no
+      length bias.
     Responses without any token are left out of the response count.
+
+    `denominator`: the count of `loss_denominator` over the whole minibatch (all micro-batches and ranks); the
+    result is then this batch's share of the minibatch loss. Default: this batch's own count.
     """
     if loss_agg_mode not in LOSS_AGG_MODES:
         raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; expected one of {LOSS_AGG_MODES}")
     mask = mask.to(loss.dtype)
     if loss_agg_mode == "token-mean":
-        return (loss * mask).sum() / mask.sum().clamp(min=1)
-    seq_sum = (loss * mask).sum(-1)
-    seq_tokens = mask.sum(-1)
-    n_seq = (seq_tokens > 0).sum().clamp(min=1)
-    if loss_agg_mode == "seq-mean-token-sum":
-        return seq_sum.sum() / n_seq
-    if loss_agg_mode == "seq-mean-token-mean":
-        return (seq_sum / seq_tokens.clamp(min=1)).sum() / n_seq
-    length = loss.shape[-1] if norm_length is None else norm_length
-    return seq_sum.sum() / (n_seq * length)
+        numerator = (loss * mask).sum()
+    else:
+        seq_sum = (loss * mask).sum(-1)
+        if loss_agg_mode == "seq-mean-token-sum":
+            numerator = seq_sum.sum()
+        elif loss_agg_mode == "seq-mean-token-mean":
+            numerator = (seq_sum / mask.sum(-1).clamp(min=1)).sum()
+        else:
+            numerator = seq_sum.sum() / (loss.shape[-1] if norm_length is None else norm_length)
+    if denominator is None:
+        denominator = loss_denominator(mask, loss_agg_mode)
+    denominator = torch.as_tensor(denominator, dtype=loss.dtype, device=loss.device)
+    return numerator / denominator.clamp(min=1)
 
 
-def policy_loss(
+def policy_loss_terms(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
@@ -74,10 +100,10 @@ def policy_loss(
     *,
     clip_low: float = CLIP_LOW,
     clip_high: float = CLIP_HIGH,
-    loss_agg_mode: str = "token-mean",
     ratio_mode: str = "token",
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """Clipped surrogate loss (to minimize) and metrics.
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The clipped surrogate per token [B, T] (to minimize; aggregate it with `aggregate_loss`) and per-token
+    statistics (no gradient, same shape; average them over the mask):
 
     ratio_mode "token": r_t = pi(y_t) / pi_old(y_t) per token (PPO / GRPO / DAPO).
     ratio_mode "sequence": s_i = (pi(y_i) / pi_old(y_i)) ^ (1/|y_i|) = exp(mean_t log r_t), one ratio for all tokens
@@ -85,7 +111,7 @@ def policy_loss(
     gradients flow through the mean log-ratio.
 
     Per token: loss_t = max(-A_t r_t, -A_t clip(r_t, 1 - clip_low, 1 + clip_high)), the pessimistic bound.
-    Metrics: `clip_frac` (share of response tokens whose clipped branch is active, i.e. get no gradient), split into
+    Statistics: `clip_frac` (the clipped branch is active, i.e. the token gets no gradient), split into
     `clip_frac_low` (A < 0, ratio below 1 - clip_low) and `clip_frac_high` (A > 0, ratio above 1 + clip_high);
     `approx_kl` (k3 estimate of KL(pi_old || pi) from the token ratios, as CleanRL logs it); `ratio_mean`.
     """
@@ -109,20 +135,40 @@ def policy_loss(
 
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-    loss = aggregate_loss(torch.maximum(unclipped, clipped), mask, loss_agg_mode)
+    loss = torch.maximum(unclipped, clipped)
 
     with torch.no_grad():
         low = (ratio < 1.0 - clip_low) & (advantages < 0)
         high = (ratio > 1.0 + clip_high) & (advantages > 0)
         token_ratio = torch.exp(token_log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-        metrics = {
-            "clip_frac": masked_mean((low | high).to(logprobs.dtype), mask).item(),
-            "clip_frac_low": masked_mean(low.to(logprobs.dtype), mask).item(),
-            "clip_frac_high": masked_mean(high.to(logprobs.dtype), mask).item(),
-            "approx_kl": masked_mean(token_ratio - 1.0 - token_log_ratio, mask).item(),
-            "ratio_mean": masked_mean(ratio, mask).item(),
+        stats = {
+            "clip_frac": (low | high).to(logprobs.dtype),
+            "clip_frac_low": low.to(logprobs.dtype),
+            "clip_frac_high": high.to(logprobs.dtype),
+            "approx_kl": token_ratio - 1.0 - token_log_ratio,
+            "ratio_mean": ratio.detach(),
         }
-    return loss, metrics
+    return loss, stats
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_low: float = CLIP_LOW,
+    clip_high: float = CLIP_HIGH,
+    loss_agg_mode: str = "token-mean",
+    ratio_mode: str = "token",
+    norm_length: int | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """`policy_loss_terms` aggregated over this one batch: the loss (to minimize) and the token means of its
+    statistics. The training step (`actors.learner`) aggregates over a whole minibatch instead."""
+    loss, stats = policy_loss_terms(logprobs, old_logprobs, advantages, mask, clip_low=clip_low,
+                                    clip_high=clip_high, ratio_mode=ratio_mode)
+    metrics = {k: masked_mean(v, mask).item() for k, v in stats.items()}
+    return aggregate_loss(loss, mask, loss_agg_mode, norm_length=norm_length), metrics
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "k3") -> torch.Tensor:

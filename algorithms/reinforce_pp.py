@@ -15,9 +15,31 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from algorithms.core import group_mean, trajectory_returns
+from algorithms.core import Moments, group_mean, trajectory_returns
 
 EPSILON = 1e-6
+
+
+def reinforce_pp_values(
+    group_ids: Iterable, traj_ids: Iterable, step_rewards: Iterable[float], *, baseline: bool = False
+) -> tuple[np.ndarray, np.ndarray]:
+    """The part computed where the rows are (whole groups at a time): every row's trajectory return (minus its
+    group's mean return with `baseline`), and a mask of one row per trajectory, the rows the batch statistics
+    count (each trajectory once)."""
+    idx, returns = trajectory_returns(group_ids, traj_ids, step_rewards)
+    if baseline:
+        returns = returns - group_mean(returns, idx.traj_group, idx.n_groups)[idx.traj_group]
+    first = np.zeros(len(idx.row_traj), dtype=bool)
+    first[np.unique(idx.row_traj, return_index=True)[1]] = True
+    return returns[idx.row_traj], first
+
+
+def whiten(values: np.ndarray, moments: Moments, epsilon: float = EPSILON) -> np.ndarray:
+    """(value - batch mean) / (batch std + eps), the batch statistics being `moments` of the whole batch (unbiased
+    std); a batch of fewer than two trajectories has nothing to compare with and gives 0."""
+    if moments.count < 2:
+        return np.zeros(len(values), dtype=np.float32)
+    return ((np.asarray(values, np.float64) - moments.mean) / (moments.std() + epsilon)).astype(np.float32)
 
 
 def compute_reinforce_pp_advantages(
@@ -28,11 +50,7 @@ def compute_reinforce_pp_advantages(
     baseline: bool = False,
     epsilon: float = EPSILON,
 ) -> np.ndarray:
-    """REINFORCE++ advantage of every step row (float32); `baseline=True` gives REINFORCE++-baseline."""
-    idx, returns = trajectory_returns(group_ids, traj_ids, step_rewards)
-    if baseline:
-        returns = returns - group_mean(returns, idx.traj_group, idx.n_groups)[idx.traj_group]
-    if idx.n_traj < 2:  # a batch of one trajectory has nothing to be compared with
-        return np.zeros(len(idx.row_traj), dtype=np.float32)
-    advantage = (returns - returns.mean()) / (returns.std(ddof=1) + epsilon)  # global (batch) normalization
-    return advantage[idx.row_traj].astype(np.float32)
+    """REINFORCE++ advantage of every step row of a batch held in one call (float32); `baseline=True` gives
+    REINFORCE++-baseline. A batch spread over blocks: `reinforce_pp_values` per block, `Moments` merged, `whiten`."""
+    values, first = reinforce_pp_values(group_ids, traj_ids, step_rewards, baseline=baseline)
+    return whiten(values, Moments.of(values[first]), epsilon)

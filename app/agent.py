@@ -29,9 +29,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import envs
 import memory
+from actors.config import PolicyConfig
 from actors.prompting import agent_messages
 from app.default_model import resolve_model
-from app.policy import Policy, PolicyConfig
+from app.policy import Policy
 
 API_KEY_ENV = "RAYGENT_API_KEY"
 

@@ -13,27 +13,13 @@ import os
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+
+from actors.config import EngineName, SamplingConfig
 
 logger = logging.getLogger(__name__)
-
-EngineName = Literal["auto", "vllm", "hf"]
-
-
-class SamplingConfig(BaseModel):
-    """Per-request sampling settings (OpenAI-style names)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    temperature: float = Field(1.0, ge=0.0, le=10.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    max_tokens: int = Field(64, ge=1)
-    stop: tuple[str, ...] = ()
-    seed: int | None = None
-
 
 @dataclass
 class Completion:

@@ -13,29 +13,14 @@ import time
 from typing import Any
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ValidationError
 from ray import serve
 
+from actors.config import PolicyConfig, SamplingConfig
 from app.default_model import resolve_model
-from app.engines import Completion, EngineName, SamplingConfig, make_engine
+from app.engines import Completion, make_engine
 
 logger = logging.getLogger("ray.serve")
-
-
-class PolicyConfig(BaseModel):
-    """What one policy replica loads and how it batches. Sizes are per replica."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    model: str = Field("default", description='"default", "default:tiny", an HF folder, a checkpoint or a hub id')
-    engine: EngineName = "auto"
-    dtype: str = "float32"
-    max_model_len: int = Field(1024, ge=16)
-    kv_cache_bytes: int = Field(256 * 2**20, ge=16 * 2**20, description="vLLM KV cache on CPU")
-    gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0)
-    max_batch_size: int = Field(256, ge=1)
-    batch_wait_timeout_s: float = Field(0.005, ge=0.0)
-    seed: int = 0
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0.25}, max_ongoing_requests=1024)

@@ -26,7 +26,7 @@ import yaml
 
 import envs
 import memory
-from app.config import TrainConfig, load_train_config
+from actors.config import TrainConfig, load_train_config
 
 TRAIN_APP = "app.train:build_train_app"
 
@@ -197,7 +197,7 @@ def train_sft(cfg: TrainConfig, out: str | Path | None = None, device: str = "au
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from actors.demonstrations import demo_players, make_demonstrations
-    from actors.learner import mean_metrics, sft_backward
+    from actors.learner import sft_step
     from app.default_model import resolve_model
 
     ws, optim = cfg.warm_start, cfg.optim
@@ -241,20 +241,18 @@ def train_sft(cfg: TrainConfig, out: str | Path | None = None, device: str = "au
         t0 = time.perf_counter()
         for _ in range(chunk):
             idx = rng.choice(n, size=min(ws.batch_size, n), replace=False)
-            step_metrics = sft_backward(model, prompts, responses, idx, pad_id, optim.micro_batch_size, dev)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), optim.grad_clip)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            step = sft_step(model, optimizer, prompts, responses, idx, lr=ws.lr, micro_batch_size=optim.micro_batch_size,
+                            grad_clip=optim.grad_clip, pad_id=pad_id, device=dev)
             if first_loss is None:
-                first_loss = mean_metrics(step_metrics)["sft_loss"]
-            metrics += step_metrics
+                first_loss = step["sft_loss"]
+            metrics.append(step["sft_loss"])
         chunk_s = time.perf_counter() - t0
         train_s += chunk_s
         done += chunk
         t0 = time.perf_counter()
         val = evaluate(model, tokenizer, cfg, val_seeds, dev)
         eval_s = time.perf_counter() - t0
-        record = {"step": done, "loss": mean_metrics(metrics)["sft_loss"], **{f"val/{k}": v for k, v in val.items()},
+        record = {"step": done, "loss": float(np.mean(metrics)), **{f"val/{k}": v for k, v in val.items()},
                   "s_per_step": chunk_s / chunk, "eval_s": eval_s}
         history.append(record)
         log(f"step {done}/{ws.steps} | loss {record['loss']:.3f} | held-out success {100 * val['success_rate']:.1f}% "

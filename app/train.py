@@ -18,8 +18,8 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from actors.checkpoint import latest_checkpoint
+from actors.config import TrainConfig, load_train_config
 from actors.controller import Controller
-from app.config import TrainConfig, load_train_config
 from app.default_model import resolve_model
 from app.policy import Policy
 

@@ -30,8 +30,8 @@ sys.path.insert(0, str(REPO_ROOT))
 
 import envs  # noqa: E402
 import memory  # noqa: E402
+from actors.config import TrainConfig  # noqa: E402
 from actors.prompting import encode_prompt  # noqa: E402
-from app.config import TrainConfig  # noqa: E402
 from app.default_model import resolve_model  # noqa: E402
 from app.engines import SamplingConfig, make_engine  # noqa: E402
 from app.sft import build_config, play_episodes  # noqa: E402

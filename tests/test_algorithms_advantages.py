@@ -15,12 +15,14 @@ from algorithms import (
     compute_gae_advantages,
     compute_gigpo_advantages,
     compute_grpo_advantages,
+    compute_hgpo_advantages,
     compute_reinforce_pp_advantages,
     compute_rloo_advantages,
     dynamic_sampling_mask,
     step_group_stats,
 )
-from algorithms.core import discounted_returns_to_go, factorize, stable_argsort_codes, trajectory_layout
+from algorithms.core import Moments, discounted_returns_to_go, factorize, stable_argsort_codes, trajectory_layout
+from algorithms.reinforce_pp import reinforce_pp_values, whiten
 
 # ------------------------------------------------------------------------------------------------------------------
 # The worked example (gamma = 0.5 keeps the arithmetic exact).
@@ -245,7 +247,7 @@ def test_reinforce_pp_hand_computed():
 
 
 def test_registry_and_dispatch():
-    assert set(ESTIMATORS) == {"gigpo", "grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"}
+    assert set(ESTIMATORS) == {"gigpo", "hgpo", "grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"}
     ex = example()
     np.testing.assert_array_equal(
         compute_advantages("gigpo", **ex, gamma=0.5), compute_gigpo_advantages(**ex, gamma=0.5)
@@ -398,3 +400,82 @@ def test_tensor_ids_are_read_by_value():
         gamma=0.5,
     )
     np.testing.assert_array_equal(adv, compute_gigpo_advantages(**ex, gamma=0.5))
+
+
+def test_gigpo_singleton_reference_keeps_a_lone_trajectorys_return():
+    # g2 holds one trajectory (D, return 2): "zero" gives it A_E = 0, "reference" its raw return, as the public code.
+    zero = compute_gigpo_advantages(**example(), gamma=0.5, mode="mean_norm")
+    reference = compute_gigpo_advantages(**example(), gamma=0.5, mode="mean_norm", singleton="reference")
+    d = [i for i, r in enumerate(ROWS) if r[0] == "D"]
+    others = [i for i, r in enumerate(ROWS) if r[0] != "D"]
+    np.testing.assert_allclose(reference[d], zero[d] + 2.0, atol=1e-6)
+    np.testing.assert_array_equal(reference[others], zero[others])
+    with pytest.raises(ValueError, match="singleton"):
+        compute_gigpo_advantages(**example(), singleton="raw")
+
+
+# HGPO's worked example: one group, gamma 0.5, three trajectories that share states and pasts differently.
+#   P: anchors x, y, z  rewards 0, 0, 1  returns-to-go .25, .5, 1
+#   Q: anchors w, y, z  rewards 0, 0, 0  returns-to-go 0, 0, 0
+#   R: anchors x, y, q  rewards 0, 0, 2  returns-to-go .5, 1, 2
+H_ROWS = ["P0", "P1", "P2", "Q0", "Q1", "Q2", "R0", "R1", "R2"]
+H_ANCHOR = {"P": "xyz", "Q": "wyz", "R": "xyq"}
+H_REWARD = {"P": (0, 0, 1), "Q": (0, 0, 0), "R": (0, 0, 2)}
+H_ACTION = {"P": "aaa", "Q": "aaa", "R": "baa"}  # R's first action differs from P's
+
+
+def hgpo_example(**kwargs) -> np.ndarray:
+    return compute_hgpo_advantages(
+        ["g"] * 9, [r[0] for r in H_ROWS], [H_ANCHOR[r[0]][int(r[1])] for r in H_ROWS],
+        [float(H_REWARD[r[0]][int(r[1])]) for r in H_ROWS],
+        actions=[H_ACTION[r[0]][int(r[1])] for r in H_ROWS], gamma=0.5, **kwargs)
+
+
+def test_hgpo_mean_norm_hand_computed():
+    # Level 1 (the state): x {P0 .25, R0 .5} -> -/+.125; y {P1 .5, Q1 0, R1 1} -> 0, -.5, +.5;
+    #   z {P2 1, Q2 0} -> +/-.5; w, q alone.
+    # Level 2 (previous state + state): (x,y) {P1 .5, R1 1} -> -/+.25; (y,z) {P2 1, Q2 0} -> +/-.5; (w,y), (y,q)
+    #   alone. Level 3: every context is unique.
+    # Weights (k + 1): 2, 3, 4 over the levels with a non-zero score: R1 = (2 * .5 + 3 * .25) / 5 = .35.
+    expected = {"P0": -0.125, "P1": -0.25, "P2": 0.5, "Q0": 0.0, "Q1": -0.5, "Q2": -0.5, "R0": 0.125,
+                "R1": 0.35, "R2": 0.0}
+    adv = hgpo_example(history_length=2, alpha=1.0, mode="mean_norm")
+    assert adv.dtype == np.float32
+    np.testing.assert_allclose(adv, [expected[r] for r in H_ROWS], atol=1e-6)
+    # alpha 0: plain mean over the scored levels
+    np.testing.assert_allclose(hgpo_example(history_length=2, alpha=0.0, mode="mean_norm")[7], 0.375, atol=1e-6)
+    # history_length 0 is GiGPO's step level alone
+    np.testing.assert_allclose(hgpo_example(history_length=0, mode="mean_norm")[[1, 4, 7]], [0.0, -0.5, 0.5],
+                               atol=1e-6)
+
+
+def test_hgpo_mean_std_norm_actions_and_episode_level():
+    # mean_std_norm uses the population std, as the reference code: y (.5, 0, 1) has std sqrt(1/6), (x,y) .25.
+    sd = math.sqrt(1 / 6)
+    adv = hgpo_example(history_length=1, mode="mean_std_norm")
+    assert adv[7] == pytest.approx((2 * 0.5 / sd + 3 * 1.0) / 5, rel=1e-5)
+    # with_actions: P1 and R1 came from x by different actions, so (x, y) splits into singletons
+    with_actions = hgpo_example(history_length=2, mode="mean_norm", with_actions=True)
+    assert with_actions[1] == pytest.approx(0.0) and with_actions[7] == pytest.approx(0.5, abs=1e-6)
+    # base_group: the episode level (P 0, Q -1, R +1) joins with weight 1
+    based = hgpo_example(history_length=2, mode="mean_norm", base_group=True)
+    assert based[7] == pytest.approx((1 * 1.0 + 2 * 0.5 + 3 * 0.25) / 6, rel=1e-5)
+    assert based[3] == pytest.approx(-1.0, rel=1e-5)  # Q0: only the episode level scores it
+    with pytest.raises(ValueError, match="actions"):
+        compute_hgpo_advantages(["g"], [0], ["x"], [1.0], with_actions=True)
+
+
+def test_reinforce_pp_statistics_merge_over_blocks():
+    """The same rows in one call or in three blocks (whole groups each), statistics merged: the same advantages."""
+    ex = _no_anchor(example())
+    whole = compute_reinforce_pp_advantages(**ex, baseline=True)
+    g, t, r = (np.asarray(ex[k], dtype=object) for k in ("group_ids", "traj_ids", "step_rewards"))
+    blocks = [np.flatnonzero(np.isin(g, part)) for part in (["g1"], ["g2"])]
+    parts = [reinforce_pp_values(g[b], t[b], r[b].astype(float), baseline=True) for b in blocks]
+    moments = Moments()
+    for values, counted in parts:
+        moments = moments.merge(Moments.of(values[counted]))
+    merged = np.empty(len(ROWS), dtype=np.float32)
+    for b, (values, _) in zip(blocks, parts, strict=True):
+        merged[b] = whiten(values, moments)
+    np.testing.assert_allclose(merged, whole, rtol=1e-6)

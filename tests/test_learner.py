@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from actors.learner import collate, reply_values, sft_loss, token_logprobs
+from actors.learner import collate, reply_values, sft_step, token_logprobs
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +36,7 @@ def _reference_logprobs(model, prompt: list[int], reply: list[int]) -> torch.Ten
 
 
 def test_collate_lays_out_rows_and_values():
-    batch = collate([[5, 6, 7], [8]], [[9, 10], [11]], pad_id=0, extra=[[-0.5, -1.5], [-2.0]])
+    batch = collate([[5, 6, 7], [8]], [[9, 10], [11]], pad_id=0, values={"extra": [[-0.5, -1.5], [-2.0]]})
     assert batch["input_ids"].tolist() == [[5, 6, 7, 9, 10], [0, 0, 0, 8, 11]]
     assert batch["attention_mask"].tolist() == [[1, 1, 1, 1, 1], [0, 0, 0, 1, 1]]
     assert batch["position_ids"].tolist() == [[0, 1, 2, 3, 4], [0, 0, 0, 0, 1]]
@@ -53,7 +53,7 @@ def test_padded_reply_logprobs_match_one_row_at_a_time(model):
         logp, entropy = token_logprobs(model, batch, with_entropy=True)
         got = reply_values(logp, batch["response_mask"])
         for p, r, g in zip(prompts, replies, got, strict=True):
-            torch.testing.assert_close(g, _reference_logprobs(model, p, r), atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(torch.from_numpy(g), _reference_logprobs(model, p, r), atol=1e-5, rtol=1e-5)
     assert logp.shape == (12, 5) and entropy.shape == (12, 5)
     assert torch.isfinite(entropy).all()
 
@@ -64,7 +64,9 @@ def test_padded_gradients_are_finite_and_match_unpadded(model):
     prompts, replies = _rows(rng, 6, model.config.vocab_size)
     replies = [r or [4] for r in replies]
     model.zero_grad()
-    sft_loss(model, collate(prompts, replies, pad_id=0))[0].backward()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    sft_step(model, optimizer, prompts, replies, range(len(prompts)), lr=0.0, micro_batch_size=4, grad_clip=1e9,
+             pad_id=0, device="cpu", optimizer_steps=False)
     padded = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
     # the same loss (mean over all reply tokens) from unpadded rows

@@ -9,7 +9,7 @@ from ray.serve.schema import ServeDeploySchema
 
 import envs
 import memory
-from app.config import load_train_config
+from actors.config import load_train_config
 from tests.conftest import REPO
 
 TRAIN_IMPORT_PATH = "app.train:build_train_app"

@@ -102,7 +102,7 @@ def test_sft_writes_a_loadable_model_and_lowers_the_loss(tmp_path, tiny_model, c
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from app.config import load_train_config
+    from actors.config import load_train_config
     from app.default_model import resolve_model
     from app.engines import HFEngine, SamplingConfig
 

@@ -5,6 +5,7 @@ stopped run at the next iteration. These run last (conftest): `serve run` shuts 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from pathlib import Path
@@ -78,7 +79,9 @@ def test_train_kill_checkpoint_serve_and_resume(ray_cluster, serve_url, tmp_path
         # Every replica reports the final weight version.
         policy = serve.get_deployment_handle("Policy", app_name="train")
         versions = {i["version"] for i in policy.broadcast("info").results()}
-        assert versions == {status["weight_version"]} and status["weight_version"] == 4
+        warm_start_broadcasts = sum(r.get("phase") == "warm_start" for r in history)
+        assert warm_start_broadcasts == 1
+        assert versions == {status["weight_version"]} and status["weight_version"] == 4 + warm_start_broadcasts
 
         checkpoint = Path(status["last_checkpoint"])
         assert checkpoint.name == "iter_000004"
@@ -86,6 +89,13 @@ def test_train_kill_checkpoint_serve_and_resume(ray_cluster, serve_url, tmp_path
                   "state.json"):
             assert (checkpoint / f).exists(), f
         assert not list(checkpoint.parent.glob(".tmp-*")), "a temporary checkpoint folder was left behind"
+        # The KL reference is the policy after the warm start, kept outside the rotating checkpoints (keep: 2).
+        state = json.loads((checkpoint / "state.json").read_text())
+        assert state["layout_version"] == 2 and state["reference_model"] == "reference"
+        assert (checkpoint.parent.parent / "reference" / "model.safetensors").exists()
+        assert not (checkpoint.parent / "iter_000000").exists(), "the warm start's checkpoint should have rotated"
+        kl_before = [r["train/kl"] for r in train]
+        assert kl_before[-1] > 0, kl_before
 
         # The agent endpoint serves the checkpoint as it is.
         serve.run(build_agent_app({"policy": {"model": str(checkpoint / "model"), "engine": "hf"}}),
@@ -108,5 +118,9 @@ def test_train_kill_checkpoint_serve_and_resume(ray_cluster, serve_url, tmp_path
         train = [r["iteration"] for r in history if r.get("phase") == "train"]
         assert train == [1, 2, 3, 4, 5, 6], train  # resumed history: nothing repeated, nothing skipped
         assert "resuming" in run.log.read_text()
+        # The KL continues from the same reference: a reference reloaded from the resumed weights would read
+        # exactly 0 on the first minibatch after the resume.
+        kl_after = {r["iteration"]: r["train/kl"] for r in history if r.get("phase") == "train"}
+        assert kl_after[5] > 0.5 * kl_before[-1], (kl_before, kl_after)
     finally:
         run.stop()

@@ -1,7 +1,9 @@
-"""The training run's configuration: one pydantic model, validated before any actor starts.
+"""The configuration schemas, in one module that imports no Serve: the training run (`TrainConfig`), the policy
+replicas (`PolicyConfig`) and per-request sampling (`SamplingConfig`). The Serve apps, the controller, the Train
+workers and the CLI all read them from here.
 
 `serve run serve_configs/train.yaml` hands the application's `args:` to `TrainConfig.model_validate`; a wrong field
-fails there with the field's path and what is allowed (`format_config_error`).
+fails there with the field's path and what is allowed (`format_config_error`), before any actor starts.
 """
 
 from __future__ import annotations
@@ -15,11 +17,39 @@ import envs
 import memory
 from algorithms import ESTIMATORS
 from algorithms.losses import KL_KINDS, LOSS_AGG_MODES, RATIO_MODES
-from app.policy import PolicyConfig
 
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+EngineName = Literal["auto", "vllm", "hf"]
+
+
+class SamplingConfig(BaseModel):
+    """Per-request sampling settings (OpenAI-style names)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    temperature: float = Field(1.0, ge=0.0, le=10.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    max_tokens: int = Field(64, ge=1)
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+
+class PolicyConfig(_Section):
+    """What one policy replica loads and how it batches. Sizes are per replica."""
+
+    model: str = Field("default", description='"default", "default:tiny", an HF folder, a checkpoint or a hub id')
+    engine: EngineName = "auto"
+    dtype: str = "float32"
+    max_model_len: int = Field(1024, ge=16)
+    kv_cache_bytes: int = Field(256 * 2**20, ge=16 * 2**20, description="vLLM KV cache on CPU")
+    gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0)
+    max_batch_size: int = Field(256, ge=1)
+    batch_wait_timeout_s: float = Field(0.005, ge=0.0)
+    seed: int = 0
 
 
 class EnvConfig(_Section):
@@ -93,22 +123,40 @@ class AlgorithmConfig(_Section):
 
 class OptimConfig(_Section):
     lr: float = Field(3e-4, gt=0)
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="RL learning rate over the run's iterations: constant, or linear / cosine decay to "
+                                "lr * lr_min_ratio at the last iteration, after lr_warmup_iterations of linear warmup")
+    lr_warmup_iterations: int = Field(0, ge=0)
+    lr_min_ratio: float = Field(0.0, ge=0.0, le=1.0)
     weight_decay: float = Field(0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.999)
     grad_clip: float = Field(1.0, gt=0)
     epochs: int = Field(1, ge=1, description="passes over each iteration's data")
     minibatch_size: int = Field(256, ge=1, description="rows per optimizer step (all workers together)")
-    micro_batch_size: int = Field(64, ge=1, description="rows per forward/backward on one worker")
+    micro_batch_size: int = Field(64, ge=1, description="rows per forward/backward on one worker (memory only: the "
+                                                         "loss and its gradient do not depend on it)")
     clip_low: float = Field(0.2, ge=0)
     clip_high: float = Field(0.28, ge=0, description="DAPO clip-higher")
     ratio_mode: str = Field("token", description=f"one of {list(RATIO_MODES)} (sequence = GSPO)")
-    loss_agg_mode: str = Field("token-mean", description=f"one of {list(LOSS_AGG_MODES)}")
-    kl_coef: float = Field(0.0, ge=0, description="KL to the frozen starting policy (0 = no reference model)")
+    loss_agg_mode: str = Field("token-mean", description=f"one of {list(LOSS_AGG_MODES)}, over the whole minibatch "
+                                                          "(every micro-batch and worker)")
+    loss_norm_length: int | None = Field(
+        None, ge=1, description="seq-mean-token-sum-norm's constant divisor (Dr. GRPO: the maximum reply length); "
+                                "default rollout.max_tokens")
+    kl_coef: float = Field(0.0, ge=0, description="KL to the reference policy, the one RL starts from (after the "
+                                                   "warm start, when there is one); 0 = no reference model")
     kl_estimator: str = Field("k3", description=f"one of {list(KL_KINDS)}")
     entropy_coef: float = Field(0.0, ge=0)
     old_logprobs: Literal["recompute", "rollout"] = Field(
         "recompute", description="recompute the behaviour log-probs with the training weights (exact ratio), or "
                                  "trust the engine's")
+    rollout_correction: Literal["none", "tis", "mask"] = Field(
+        "none", description="off-policy correction for the engine/trainer mismatch, from w = exp(trainer's - engine's "
+                            "behaviour log-prob) per token: tis = multiply each token's loss by min(w, "
+                            "rollout_is_cap) (truncated importance sampling); mask = drop tokens whose w lies "
+                            "outside [rollout_is_floor, rollout_is_cap]. Needs old_logprobs: recompute")
+    rollout_is_cap: float = Field(2.0, gt=1.0)
+    rollout_is_floor: float = Field(0.5, gt=0.0, lt=1.0)
 
     @model_validator(mode="after")
     def _choices(self) -> OptimConfig:
@@ -116,6 +164,10 @@ class OptimConfig(_Section):
                                ("kl_estimator", KL_KINDS)):
             if getattr(self, field) not in allowed:
                 raise ValueError(f"{field} {getattr(self, field)!r} not allowed; allowed: {list(allowed)}")
+        if self.rollout_correction != "none" and self.old_logprobs == "rollout":
+            raise ValueError(f"rollout_correction {self.rollout_correction!r} compares the trainer's behaviour "
+                             "log-probs with the engine's, so it needs old_logprobs: recompute (with 'rollout' the "
+                             "two are the same numbers)")
         return self
 
 
@@ -124,6 +176,11 @@ class TrainerConfig(_Section):
     strategy: Literal["fsdp", "ddp", "none"] = Field("fsdp", description="fsdp = FSDP2 fully_shard per layer")
     cpus_per_worker: float = Field(0.2, gt=0, description="logical CPUs per worker (see rollout.env_actor_cpus)")
     use_gpu: bool = False
+    mixed_precision: Literal["fp32", "bf16"] = Field(
+        "fp32", description="bf16: compute in bfloat16 with float32 master weights and float32 gradient reduction "
+                            "(FSDP2 MixedPrecisionPolicy; autocast without FSDP)")
+    activation_checkpointing: bool = Field(False, description="recompute each decoder layer's activations in the "
+                                                              "backward pass: less memory, ~30% more compute")
 
     @model_validator(mode="after")
     def _gpu(self) -> TrainerConfig:
@@ -199,6 +256,11 @@ class TrainConfig(_Section):
     @property
     def run_dir(self) -> Path:
         return Path(self.output_dir).resolve() / self.run_name
+
+    @property
+    def loss_norm_length(self) -> int:
+        """Dr. GRPO's constant: the configured maximum reply length unless set."""
+        return self.optim.loss_norm_length or self.rollout.max_tokens
 
     @property
     def env_kwargs(self) -> dict[str, Any]:

@@ -1,0 +1,110 @@
+"""Shared by the update tests: a small random Qwen2 model saved once, rows that exercise every masking path, the
+full gradient of a model (FSDP2 shards gathered), and the worker that runs one rank of a 2-rank FSDP2 update over
+gloo (started with torch.multiprocessing, not Ray Train, to keep the test fast)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+VOCAB = 48
+
+
+def build_model(folder: Path, seed: int = 0) -> Path:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    if (folder / "config.json").exists():
+        return folder
+    config = Qwen2Config(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=2, intermediate_size=64, max_position_embeddings=128,
+                         tie_word_embeddings=True, pad_token_id=0, eos_token_id=1, bos_token_id=1)
+    torch.manual_seed(seed)
+    Qwen2ForCausalLM(config).save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def load_model(folder: Path | str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+
+
+def make_rows(n: int, seed: int = 0, perturb: float = 0.3) -> dict[str, list]:
+    """Rows with prompts and replies of varied lengths, advantages of both signs and rollout log-probs that differ
+    from any model's (so ratios, clipping and the mismatch weights are all exercised)."""
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(2, VOCAB, size=rng.integers(2, 12)).tolist() for _ in range(n)]
+    replies = [rng.integers(2, VOCAB, size=rng.integers(1, 7)).tolist() for _ in range(n)]
+    logprobs = [(-np.log(VOCAB) + perturb * rng.standard_normal(len(r))).tolist() for r in replies]
+    advantages = rng.standard_normal(n).round(3).tolist()
+    return {"prompt_ids": prompts, "response_ids": replies, "rollout_logprobs": logprobs, "advantage": advantages}
+
+
+def take(rows: dict[str, list], idx) -> dict[str, list]:
+    return {k: [v[i] for i in idx] for k, v in rows.items()}
+
+
+def full_gradient(model) -> torch.Tensor:
+    """Every parameter's gradient, flattened in parameter order (FSDP2 DTensor shards gathered)."""
+    parts = []
+    for p in model.parameters():
+        g = p.grad
+        if g is None:
+            g = torch.zeros_like(p.full_tensor() if hasattr(p, "full_tensor") else p)
+        elif hasattr(g, "full_tensor"):
+            g = g.full_tensor()
+        parts.append(g.detach().reshape(-1).float())
+    return torch.cat(parts)
+
+
+def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp(min=1e-30))
+
+
+def gradient_of(model, ref, rows, optim_kwargs: dict[str, Any], *, collective=None, autocast_dtype=None):
+    """The gradient and metrics of one minibatch holding all `rows` (no optimizer step)."""
+    from actors.config import OptimConfig
+    from actors.learner import ALONE, rl_step
+
+    optim = OptimConfig(**{"minibatch_size": 10_000, **optim_kwargs})
+    model.zero_grad(set_to_none=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    metrics = rl_step(model, opt, rows, optim, lr=0.0, norm_length=8, pad_id=0, device="cpu",
+                      rng=np.random.default_rng(0), collective=collective or ALONE, ref_model=ref,
+                      autocast_dtype=autocast_dtype, optimizer_steps=False)
+    return full_gradient(model), metrics
+
+
+def fsdp_rank(rank: int, world: int, port: int, folder: str, ref_folder: str, rows: dict[str, list],
+              splits: list[list[int]], cases: list[dict[str, Any]], out: str) -> None:
+    """One rank: FSDP2 over gloo, policy and reference sharded per layer, each case's gradient (gathered) and
+    metrics saved by rank 0."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from actors.learner import Collective
+    from actors.trainer import _load_model
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        results = []
+        for case in cases:
+            cfg = {"mixed_precision": case.get("mixed_precision", "fp32")}
+            model = _load_model(folder, torch.device("cpu"), "fsdp", mesh, cfg, trainable=True)
+            ref = _load_model(ref_folder, torch.device("cpu"), "fsdp", mesh, cfg, trainable=False) \
+                if case["optim"].get("kl_coef", 0) > 0 else None
+            grad, metrics = gradient_of(model, ref, take(rows, splits[rank]), case["optim"],
+                                        collective=Collective.from_torch())
+            results.append({"grad": grad, "metrics": metrics})
+        if rank == 0:
+            torch.save(results, out)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
