@@ -7,13 +7,17 @@ supervised warm start, then the RL iterations (validation at the config's temper
 
 `--compare`: advantage estimators on the same budget. One supervised warm start (`raygent sft` on the config),
 then for every seed and estimator an RL run from that checkpoint with the same number of iterations (the same
-number of episodes; env steps are counted and plotted). Validation success vs env steps, mean +- std over seeds, and
-GiGPO's step-group statistics per iteration (share of rows in step groups larger than one, mean group size).
+number of episodes; env steps are counted and plotted). Validation success vs env steps, mean +- sample std over
+seeds, the largest approx-KL of each run, the runs that collapsed (training valid-action ratio below 50% at some
+iteration), paired differences to GRPO on the same seed, and GiGPO's step-group statistics per iteration.
+The results file is rewritten after every run; `--continue` adds runs to an existing one (same warm start, kept in
+`--work`), so a long comparison can be spread over several sittings.
 
 Usage (from the repo root):
     python benchmarks/bench_learning.py                       # train.yaml, 15 minutes
     python benchmarks/bench_learning.py --minutes 5 --name quick --set rollout.n_groups=8
-    python benchmarks/bench_learning.py --compare             # gigpo (2 modes), grpo, rloo x seeds 0,1,2
+    python benchmarks/bench_learning.py --compare             # gigpo (2 modes), grpo, rloo, hgpo x seeds 0,1,2
+    python benchmarks/bench_learning.py --compare --continue --estimators grpo --seeds 3,4   # more seeds later
 Writes benchmarks/results/learning_<name>.json and .png (compare: compare_<name>.json and .png).
 """
 
@@ -192,12 +196,19 @@ ESTIMATORS = {
                             "params": {"gamma": 0.95, "step_weight": 1.0, "mode": "mean_std_norm"}},
     "grpo": {"estimator": "grpo", "params": {}},
     "rloo": {"estimator": "rloo", "params": {}},
+    # the recipe's defaults: contexts of 1-3 states, weights (k + 1)^1, population-std normalisation
+    "hgpo": {"estimator": "hgpo", "params": {"gamma": 0.95, "history_length": 2, "alpha": 1.0,
+                                             "mode": "mean_std_norm"}},
 }
+COLLAPSE_VALID_RATIO = 0.5  # a run whose training rollouts fall below this share of valid replies has collapsed
 
 
 def warm_start_once(config: Path, work: Path, overrides: dict[str, Any]) -> Path:
-    """The shared starting point: `raygent sft` on the config's warm_start section."""
+    """The shared starting point: `raygent sft` on the config's warm_start section (reused when `work` has it)."""
     out = work / "sft"
+    if (out / "config.json").exists():
+        print(f"warm start: reusing {out}", flush=True)
+        return out
     cmd = [str(Path(sys.executable).with_name("raygent")), "sft", "--config", str(config), "--out", str(out)]
     for key, value in overrides.items():
         if key.startswith("warm_start.") and key.split(".", 1)[1] in ("steps", "lr", "batch_size", "target_success"):
@@ -222,38 +233,74 @@ def run_curve(records: list[dict[str, Any]]) -> dict[str, list[float]]:
     curve["step_group_share"] = [r.get("data/step_group_share") for r in rl]
     curve["step_group_mean_size"] = [r.get("data/step_group_mean_size") for r in rl]
     curve["train_success"] = [r.get("train/success_rate") for r in rl]
+    curve["train_valid_action_ratio"] = [r.get("train/valid_action_ratio") for r in rl]
+    curve["approx_kl"] = [r.get("train/approx_kl") for r in rl]
+    curve["kl_to_reference"] = [r.get("train/kl") for r in rl]
     return curve
 
 
+def run_facts(curve: dict[str, list]) -> dict[str, Any]:
+    kl = [v for v in curve["approx_kl"] if v is not None]
+    valid = [v for v in curve["train_valid_action_ratio"] if v is not None]
+    return {"max_approx_kl": max(kl, default=None), "min_train_valid_action_ratio": min(valid, default=None),
+            "collapsed": bool(valid) and min(valid) < COLLAPSE_VALID_RATIO}
+
+
 def compare(args: argparse.Namespace, overrides: dict[str, Any]) -> None:
-    work = Path(tempfile.mkdtemp(prefix="raygent-bench-compare-"))
+    work = Path(args.work or REPO_ROOT / "runs" / f"bench-compare-{args.name}").resolve()
+    work.mkdir(parents=True, exist_ok=True)
     names = args.estimators.split(",")
     seeds = [int(s) for s in args.seeds.split(",")]
     start = warm_start_once(args.config, work, overrides)
-    start_success = json.loads((start / "raygent_sft.json").read_text()).get("final_success")
+    start_success = warm_start_success(start)
     runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
-    for seed in seeds:
-        for name in names:
-            spec = ESTIMATORS[name]
-            run_overrides = {**overrides, "policy.model": str(start), "warm_start.enabled": False,
-                             "algorithm.estimator": spec["estimator"], "algorithm.params": spec["params"],
-                             "seed": seed, "iterations": args.iterations, "checkpoint.every": 0}
-            print(f"{name}, seed {seed}: {args.iterations} iterations", flush=True)
-            records, run = run_training(args.config, f"{name}-s{seed}", run_overrides, 1e6, work)
-            curve = run_curve(records)
-            runs[name].append({"seed": seed, "run": run, "curve": curve,
-                               "random_policy_success": summarize(records)["random_policy_success"]})
-            print(f"  final val success {curve['val_success'][-1] if curve['val_success'] else None}", flush=True)
-            # Written after every run, so a run cut short still leaves every finished run on disk.
-            last = (seed, name) == (seeds[-1], names[-1])
-            write_compare(args, overrides, seeds, start_success, runs, complete=last)
+    done_before: set[tuple[str, int]] = set()
+    results_file = RESULTS / f"compare_{args.name}.json"
+    if args.continue_ and results_file.exists():
+        previous = json.loads(results_file.read_text())
+        if previous.get("overrides") != overrides or previous.get("iterations") != args.iterations:
+            raise SystemExit(f"--continue: {results_file} was made with other overrides or iterations")
+        for name, rs in previous["runs"].items():
+            runs.setdefault(name, []).extend(rs)
+            done_before |= {(name, r["seed"]) for r in rs}
+        seeds_all = sorted(set(previous["seeds"]) | set(seeds))
+    else:
+        seeds_all = seeds
+    todo = [(seed, name) for seed in seeds for name in names if (name, seed) not in done_before]
+    for seed, name in todo:
+        spec = ESTIMATORS[name]
+        run_overrides = {**overrides, "policy.model": str(start), "warm_start.enabled": False,
+                         "algorithm.estimator": spec["estimator"], "algorithm.params": spec["params"],
+                         "seed": seed, "iterations": args.iterations, "checkpoint.every": 0}
+        print(f"{name}, seed {seed}: {args.iterations} iterations", flush=True)
+        records, run = run_training(args.config, f"{name}-s{seed}", run_overrides, 1e6, work)
+        curve = run_curve(records)
+        runs[name].append({"seed": seed, "run": run, "curve": curve, **run_facts(curve),
+                           "random_policy_success": summarize(records)["random_policy_success"]})
+        print(f"  final val success {curve['val_success'][-1] if curve['val_success'] else None}, "
+              f"{run_facts(curve)}", flush=True)
+        # Written after every run, so a run cut short still leaves every finished run on disk.
+        write_compare(args, overrides, seeds_all, start_success, runs, complete=(seed, name) == todo[-1])
+    if not todo:
+        write_compare(args, overrides, seeds_all, start_success, runs, complete=True)
+
+
+def warm_start_success(folder: Path) -> float | None:
+    """The warm start's own held-out success, from what `raygent sft` recorded in the folder."""
+    for name in ("raygent_agent.json", "raygent_sft.json"):
+        if (folder / name).exists():
+            data = json.loads((folder / name).read_text())
+            return data.get("sft", data).get("final_success")
+    return None
 
 
 def write_compare(args: argparse.Namespace, overrides: dict[str, Any], seeds: list[int],
                   start_success: float | None, runs: dict[str, list[dict[str, Any]]], complete: bool) -> None:
     import numpy as np
 
-    done = {name: rs for name, rs in runs.items() if rs and all(r["curve"]["val_success"] for r in rs)}
+    done = {name: sorted(rs, key=lambda r: r["seed"]) for name, rs in runs.items()
+            if rs and all(r["curve"]["val_success"] for r in rs)}
+    grpo = {r["seed"]: r["curve"]["val_success"][-1] for r in done.get("grpo", [])}
     table = {}
     for name, rs in done.items():
         finals = np.array([r["curve"]["val_success"][-1] for r in rs])
@@ -261,14 +308,25 @@ def write_compare(args: argparse.Namespace, overrides: dict[str, Any], seeds: li
                        if v >= args.reach), None) for r in rs]
         share = [v for r in rs for v in r["curve"]["step_group_share"] if v is not None]
         size = [v for r in rs for v in r["curve"]["step_group_mean_size"] if v is not None]
+        paired = [r["curve"]["val_success"][-1] - grpo[r["seed"]] for r in rs if r["seed"] in grpo]
         table[name] = {"seeds": [r["seed"] for r in rs], "final_val_success_mean": float(finals.mean()),
-                       "final_val_success_std": float(finals.std()), "finals": finals.tolist(),
-                       f"env_steps_to_{args.reach}": reach,
+                       # sample std over seeds (ddof=1)
+                       "final_val_success_std": float(finals.std(ddof=1)) if len(finals) > 1 else None,
+                       "finals": finals.tolist(), f"env_steps_to_{args.reach}": reach,
+                       "max_approx_kl": [r["max_approx_kl"] for r in rs],
+                       "collapsed_runs": int(sum(r["collapsed"] for r in rs)),
+                       "minus_grpo_same_seed": paired if name != "grpo" else None,
+                       "minus_grpo_mean": float(np.mean(paired)) if paired and name != "grpo" else None,
+                       "minus_grpo_std": float(np.std(paired, ddof=1)) if len(paired) > 1 and name != "grpo"
+                       else None,
                        "step_group_share_mean": float(np.mean(share)) if share else None,
                        "step_group_mean_size": float(np.mean(size)) if size else None}
         if complete:
-            print(f"{name:22s} final val success {finals.mean():.3f} +- {finals.std():.3f}  "
-                  f"steps to {args.reach:.0%}: {reach}", flush=True)
+            row = table[name]
+            print(f"{name:22s} final val success {finals.mean():.3f} +- {row['final_val_success_std'] or 0:.3f} "
+                  f"(n={len(rs)}), collapsed {row['collapsed_runs']}, max approx KL "
+                  f"{max(v or 0 for v in row['max_approx_kl']):.3f}, minus GRPO {row['minus_grpo_mean']}",
+                  flush=True)
     out = {"config": str(args.config), "overrides": overrides, "iterations": args.iterations, "seeds": seeds,
            "complete": complete, "warm_start_success": start_success, "reach_threshold": args.reach,
            "table": table, "runs": runs}
@@ -333,6 +391,10 @@ def main() -> None:
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--iterations", type=int, default=20, help="RL iterations per compared run")
     parser.add_argument("--reach", type=float, default=0.5, help="report env steps to this validation success")
+    parser.add_argument("--work", help="compare: folder for the warm start and the runs (default runs/bench-compare-"
+                                       "<name>; an existing warm start there is reused)")
+    parser.add_argument("--continue", dest="continue_", action="store_true",
+                        help="compare: add the runs not yet in benchmarks/results/compare_<name>.json to it")
     args = parser.parse_args()
     overrides = {k: yaml.safe_load(v) for k, v in (s.split("=", 1) for s in args.set)}
     if args.compare:
