@@ -25,8 +25,9 @@ $(STAMP): pyproject.toml
 	rm -f $(VENV)/.raygent-installed-*
 	touch $(STAMP)
 
+# raygent train runs `serve run $(CONFIG)`, follows the run, and exits when it ends (app/launch.py).
 train: install
-	. $(VENV)/bin/activate && serve run $(CONFIG)
+	. $(VENV)/bin/activate && raygent train $(CONFIG)
 
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)

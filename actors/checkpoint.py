@@ -6,7 +6,8 @@ temporary folder and renamed into place: a checkpoint folder either exists whole
         reference/            the policy RL started from, when a warm start made it (the KL reference): an HF
                               folder written once and never rotated
         checkpoints/iter_000010/
-            model/            config.json, generation_config.json, tokenizer files, model.safetensors
+            model/            config.json, generation_config.json, tokenizer files, model.safetensors, and
+                              raygent_agent.json: the agent it is (env, memory, prompt, sampling; AgentCard)
             optimizer.pt      full (unsharded) AdamW state
             state.json        layout version, iteration, weight version, seeds, the KL reference, config
 
@@ -28,6 +29,7 @@ from typing import Any
 import numpy as np
 
 LAYOUT_VERSION = 2
+CARD_FILE = "raygent_agent.json"
 _NAME = re.compile(r"^iter_(\d{6})$")
 logger = logging.getLogger("raygent")
 
@@ -49,12 +51,29 @@ def write_model_template(model_path: str, template_dir: Path) -> Path:
     return template_dir
 
 
-def save_model(weights: dict[str, np.ndarray], template_dir: Path, out_dir: Path) -> None:
+def write_agent_card(folder: Path, card: Any) -> None:
+    """The model folder's agent card (an `actors.config.AgentCard`), next to its weights."""
+    (Path(folder) / CARD_FILE).write_text(card.model_dump_json(indent=2) + "\n")
+
+
+def read_agent_card(folder: str | Path) -> Any:
+    """The AgentCard of a model folder, or None for a folder without one (a hub model, a plain HF folder)."""
+    from actors.config import AgentCard
+
+    path = Path(folder) / CARD_FILE
+    if not path.is_file():
+        return None
+    return AgentCard.model_validate_json(path.read_text())
+
+
+def save_model(weights: dict[str, np.ndarray], template_dir: Path, out_dir: Path, card: Any = None) -> None:
     from safetensors.numpy import save_file
 
     out_dir.mkdir(parents=True, exist_ok=True)
     for f in template_dir.iterdir():
         shutil.copy2(f, out_dir / f.name)
+    if card is not None:
+        write_agent_card(out_dir, card)
     config = json.loads((template_dir / "config.json").read_text())
     if config.get("tie_word_embeddings"):  # the head is the embedding: stored once, as HF does
         weights = {k: v for k, v in weights.items() if k != "lm_head.weight"}
@@ -64,7 +83,7 @@ def save_model(weights: dict[str, np.ndarray], template_dir: Path, out_dir: Path
 
 async def save_checkpoint(run_dir: Path, iteration: int, weights: dict[str, np.ndarray], template_dir: Path,
                           state: dict[str, Any], keep: int,
-                          save_optimizer: Callable[[str], Awaitable[None]] | None = None) -> Path:
+                          save_optimizer: Callable[[str], Awaitable[None]] | None = None, card: Any = None) -> Path:
     """Write checkpoint `iter_{iteration}` atomically; keep the newest `keep`. `save_optimizer(path)` asks the
     training job to write its optimizer state into the temporary folder before the rename."""
     root = run_dir / "checkpoints"
@@ -76,7 +95,7 @@ async def save_checkpoint(run_dir: Path, iteration: int, weights: dict[str, np.n
     if state.get("reference_model"):
         state["reference_model"] = _relative_to(state["reference_model"], run_dir)
     try:
-        save_model(weights, template_dir, tmp / "model")
+        save_model(weights, template_dir, tmp / "model", card)
         if save_optimizer is not None:
             await save_optimizer(str(tmp / "optimizer.pt"))
         (tmp / "state.json").write_text(json.dumps(state, indent=2, default=str))
@@ -117,13 +136,13 @@ def _relative_to(path: str, run_dir: Path) -> str:
         return path
 
 
-def save_reference(run_dir: Path, weights: dict[str, np.ndarray], template_dir: Path) -> Path:
+def save_reference(run_dir: Path, weights: dict[str, np.ndarray], template_dir: Path, card: Any = None) -> Path:
     """Write the run's KL reference (the policy RL starts from) once, atomically, outside the rotating checkpoints."""
     final = Path(run_dir) / "reference"
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-reference-", dir=run_dir))
     tmp.chmod(0o755)
     try:
-        save_model(weights, template_dir, tmp)
+        save_model(weights, template_dir, tmp, card)
         if final.exists():  # a re-run warm start (resume: never) replaces it; the old one is not needed any more
             shutil.rmtree(final)
         os.replace(tmp, final)

@@ -50,6 +50,25 @@ class PolicyConfig(_Section):
     max_batch_size: int = Field(256, ge=1)
     batch_wait_timeout_s: float = Field(0.005, ge=0.0)
     seed: int = 0
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
+        "WARNING", description="the engines' own logs (vLLM, transformers) in the replicas")
+
+
+class RetrieverConfig(_Section):
+    """The retrieval server (`app/retriever.py`): `serve_configs/retriever.yaml` on its own, or the `retriever:`
+    section of a training config, deployed beside the policy for search envs with `retriever: serve`."""
+
+    backend: Literal["bm25", "dense"] = "bm25"
+    corpus: str = Field("builtin", description='"builtin" (the search env\'s synthetic encyclopedia, built from '
+                                               "corpus_seed) or a JSONL file with \"contents\" or \"title\"/\"text\"")
+    corpus_seed: int = 0
+    top_k: int = Field(3, ge=1, le=100, description="k when a request gives none")
+    max_k: int = Field(20, ge=1, le=1000)
+    max_queries: int = Field(64, ge=1, description="most queries in one request")
+    max_query_chars: int = Field(1000, ge=1)
+    max_batch_size: int = Field(32, ge=1, description="queries grouped into one index lookup")
+    batch_wait_timeout_s: float = Field(0.01, ge=0)
+    model_path: str | None = Field(None, description="dense only: embedding model folder (default all-MiniLM-L6-v2)")
 
 
 class EnvConfig(_Section):
@@ -206,7 +225,10 @@ class WarmStartConfig(_Section):
 
 class ValidationConfig(_Section):
     every: int = Field(5, ge=0, description="iterations between validations (0 = never; also runs first and last)")
-    n_envs: int = Field(64, ge=1, description="held-out seeds, one episode each")
+    n_envs: int = Field(64, ge=1, description="held-out seeds")
+    samples: int = Field(1, ge=1, description="episodes per held-out seed (pass@k is reported for k <= samples)")
+    split: str | None = Field(None, description="the env's held-out split (`heldout_splits` of the env, e.g. "
+                                                "alfworld valid_unseen); default: its first")
     temperature: float = Field(0.0, ge=0.0)
     baseline_envs: int | None = Field(
         None, ge=0, description="held-out seeds (the first of the validation seeds) for the untrained policy's "
@@ -220,6 +242,9 @@ class CheckpointConfig(_Section):
 
 
 class LoggingConfig(_Section):
+    framework_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
+        "WARNING", description="Ray Train / Data, transformers and vLLM logs in the controller, env-group actors and "
+                               "Train workers (Serve's own: logging_config in the Serve config)")
     jsonl: bool = True
     wandb: bool = Field(False, description="W&B; offline unless WANDB_API_KEY is set (needs `pip install wandb`)")
     wandb_project: str = "raygent"
@@ -244,6 +269,20 @@ class TrainConfig(_Section):
     validation: ValidationConfig = ValidationConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     logging: LoggingConfig = LoggingConfig()
+    retriever: RetrieverConfig | None = Field(None, description="a retrieval deployment for search envs whose "
+                                                                "env.kwargs.retriever is 'serve'")
+
+    @model_validator(mode="after")
+    def _retriever_is_deployed(self) -> TrainConfig:
+        wants = self.env.kwargs.get("retriever") == "serve"
+        if wants and self.retriever is None:
+            raise ValueError("env.kwargs.retriever 'serve' needs a `retriever:` section (backend, corpus) to deploy")
+        if (wants and self.retriever.corpus == "builtin"
+                and self.retriever.corpus_seed != self.env.kwargs.get("data_seed", 0)):
+            raise ValueError(f"retriever.corpus_seed {self.retriever.corpus_seed} must equal env.kwargs.data_seed "
+                             f"{self.env.kwargs.get('data_seed', 0)}: the questions and the passages come from one "
+                             "encyclopedia")
+        return self
 
     @model_validator(mode="after")
     def _rollout_logprobs_are_the_policy(self) -> TrainConfig:
@@ -252,6 +291,33 @@ class TrainConfig(_Section):
             raise ValueError("optim.old_logprobs 'rollout' needs rollout.temperature 1.0 and rollout.top_p 1.0 "
                              "(the engine's log-probs are then the policy's); otherwise use 'recompute'")
         return self
+
+    @model_validator(mode="after")
+    def _heldout_split_exists(self) -> TrainConfig:
+        splits = envs.make(self.env.name, **self.env.kwargs).heldout_splits
+        if self.validation.split is not None and self.validation.split not in splits:
+            raise ValueError(f"validation.split {self.validation.split!r} is not a held-out split of "
+                             f"{self.env.name!r}; allowed: {sorted(splits)}")
+        return self
+
+    @property
+    def validation_split(self) -> str:
+        return self.validation.split or next(iter(envs.make(self.env.name, **self.env.kwargs).heldout_splits))
+
+    @property
+    def validation_env_kwargs(self) -> dict[str, Any]:
+        """The env kwargs of held-out episodes: the training ones with the held-out split selected."""
+        splits = envs.make(self.env.name, **self.env.kwargs).heldout_splits
+        return {**self.env_kwargs, **splits[self.validation_split]}
+
+    def agent_card(self, **source: Any) -> AgentCard:
+        """What a model folder trained by this run is as an agent (`AgentCard`)."""
+        return AgentCard(env=EnvConfig(name=self.env.name, kwargs=self.env_kwargs), memory=self.memory,
+                         prompt=prompt_pieces(envs.make(self.env.name, **self.env_kwargs)),
+                         sampling=AgentSampling(temperature=self.validation.temperature, top_p=self.rollout.top_p,
+                                                max_tokens=self.rollout.max_tokens),
+                         max_model_len=self.policy.max_model_len, heldout_split=self.validation_split,
+                         retriever=self.retriever, source={"run_name": self.run_name, "seed": self.seed, **source})
 
     @property
     def run_dir(self) -> Path:
@@ -265,6 +331,54 @@ class TrainConfig(_Section):
     @property
     def env_kwargs(self) -> dict[str, Any]:
         return {**self.env.kwargs, **({"max_steps": self.max_steps} if self.max_steps else {})}
+
+
+PROMPT_PIECES = ("task_description", "prompt_template", "memory_template")
+
+
+def prompt_pieces(env: Any) -> dict[str, str]:
+    """The prompt strings an env instance builds its prompts from (its class defaults or configured ones)."""
+    return {k: getattr(env, k) for k in PROMPT_PIECES}
+
+
+class AgentSampling(_Section):
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    max_tokens: int = Field(64, ge=1)
+
+
+class AgentCard(_Section):
+    """What a model folder is as an agent: the env (name, kwargs) and memory it was trained with, the exact prompt
+    strings, the sampling its own validation used and its context length. Written into every checkpoint's model
+    folder and by `raygent sft` as `raygent_agent.json` (`actors.checkpoint`); the agent endpoint and `raygent eval`
+    read it, so serving a checkpoint needs only its folder."""
+
+    format_version: int = 1
+    env: EnvConfig
+    memory: MemoryConfig = MemoryConfig(name="none")
+    prompt: dict[str, str] = Field(default_factory=dict, description="task_description, prompt_template, "
+                                                                     "memory_template as training used them")
+    sampling: AgentSampling = AgentSampling()
+    max_model_len: int = Field(1024, ge=16)
+    heldout_split: str | None = None
+    retriever: RetrieverConfig | None = Field(None, description="the retrieval deployment the env searched")
+    source: dict[str, Any] = Field(default_factory=dict, description="where the weights come from: run, "
+                                                                     "iteration, weight version, warm start")
+
+    def make_env(self, **overrides: Any) -> Any:
+        """The env as trained (with `overrides` on its kwargs, e.g. a held-out split), prompt strings included."""
+        env = envs.make(self.env.name, **{**self.env.kwargs, **overrides})
+        for key, value in self.prompt.items():
+            setattr(env, key, value)  # the exact strings of training, whatever the env class's defaults are now
+        return env
+
+    def make_memory(self) -> Any:
+        return memory.make(self.memory.name, **self.memory.kwargs)
+
+    @property
+    def heldout_kwargs(self) -> dict[str, Any]:
+        splits = envs.make(self.env.name, **self.env.kwargs).heldout_splits
+        return dict(splits.get(self.heldout_split or next(iter(splits)), {}))
 
 
 def format_config_error(e: ValidationError, prefix: str = "args") -> str:

@@ -30,11 +30,19 @@ from actors.checkpoint import (
 )
 from actors.demonstrations import demo_players
 from actors.env_group import EnvGroupActor
-from actors.metrics import MetricsSink
+from actors.evaluation import summarize
+from actors.metrics import MetricsSink, quiet_frameworks
 from actors.trainer import TrainerGroup
 from algorithms import step_group_stats
 
 logger = logging.getLogger("raygent")
+
+
+def _pad_id(model_path: str) -> int:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
 def _quiet_ray_data() -> None:
@@ -54,14 +62,17 @@ def _setup_logging() -> None:
 
 @ray.remote(num_cpus=0, max_restarts=0)
 class Controller:
-    def __init__(self, config: dict[str, Any], policy: Any, model_path: str, resume_from: str | None = None):
+    def __init__(self, config: dict[str, Any], policy: Any, model_path: str, resume_from: str | None = None,
+                 retriever: Any = None):
         from actors.config import TrainConfig
 
-        _setup_logging()
-        _quiet_ray_data()
         self.cfg = TrainConfig.model_validate(config)
+        _setup_logging()
+        quiet_frameworks(self.cfg.logging.framework_level)
+        _quiet_ray_data()
         self.config_dict = config
         self.policy = policy
+        self.retriever = retriever
         self.model_path = model_path
         self.resume_from = Path(resume_from) if resume_from else None
         self.run_dir = self.cfg.run_dir
@@ -139,13 +150,13 @@ class Controller:
             self.reference_model = reference_model_of(self.resume_from, resumed)
             logger.info("resuming %s from %s (next iteration %d; KL reference %s)", cfg.run_name, self.resume_from,
                         self.iteration, self.reference_model)
-        self.sink = MetricsSink(self.run_dir, cfg.run_name, cfg.logging, self.config_dict, resume=resumed is not None)
+        # Blocking file and model work off the event loop: /status keeps answering while the run starts.
+        self.sink = await asyncio.to_thread(MetricsSink, self.run_dir, cfg.run_name, cfg.logging, self.config_dict,
+                                            resume=resumed is not None)
         (self.run_dir / "config.json").write_text(json.dumps(self.config_dict, indent=2))
-        self.template = write_model_template(self.model_path, self.run_dir / "model_template")
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.template = await asyncio.to_thread(write_model_template, self.model_path,
+                                                self.run_dir / "model_template")
+        pad_id = await asyncio.to_thread(_pad_id, self.model_path)
         self.env_actors = [self._make_env_actor() for _ in range(cfg.rollout.num_env_actors)]
         await asyncio.gather(*(a.ready.remote() for a in self.env_actors))
         optimizer_state = self.resume_from / "optimizer.pt" if self.resume_from else None
@@ -154,17 +165,19 @@ class Controller:
             "seed": cfg.seed, "pad_id": pad_id, "norm_length": cfg.loss_norm_length, "iterations": cfg.iterations,
             "mixed_precision": cfg.trainer.mixed_precision,
             "activation_checkpointing": cfg.trainer.activation_checkpointing,
+            "framework_log_level": cfg.logging.framework_level,
             "optimizer_state": str(optimizer_state) if optimizer_state and optimizer_state.exists() else None,
         })
-        self.trainer.start()
+        await asyncio.to_thread(self.trainer.start)
         # The replicas start from `model_path` at version 0; name that state with the resumed version.
         self.version = max(self.version, 0)
 
     def _make_env_actor(self):
         cfg = self.cfg
-        return EnvGroupActor.options(num_cpus=cfg.rollout.env_actor_cpus).remote(
+        return EnvGroupActor.options(num_cpus=cfg.rollout.env_actor_cpus, runtime_env={"env_vars": {
+            "RAYGENT_FRAMEWORK_LOG_LEVEL": cfg.logging.framework_level}}).remote(
             cfg.env.name, cfg.env_kwargs, cfg.memory.name, cfg.memory.kwargs, self.model_path, self.policy,
-            cfg.policy.max_model_len)
+            cfg.policy.max_model_len, self.retriever)
 
     async def _run(self) -> None:
         cfg = self.cfg
@@ -172,7 +185,8 @@ class Controller:
         self.phase = "baseline"
         val_seeds = envs.group_seeds(cfg.seed, 0, cfg.validation.n_envs, "val")
         if self.iteration == 0 and not self.warm_start_done:
-            random_success = await self.env_actors[0].random_policy_success.remote(val_seeds.tolist(), cfg.seed)
+            random_success = await self.env_actors[0].random_policy_success.remote(
+                val_seeds.tolist(), cfg.seed, cfg.validation_env_kwargs)
             self._log({"iteration": 0, "phase": "baseline", "val/random_policy_success": random_success})
             logger.info("random admissible-action policy: %.1f%% success on %d held-out seeds",
                         100 * random_success, len(val_seeds))
@@ -218,7 +232,7 @@ class Controller:
         await self._sync_replicas()
         self.phase = "rollout"
         seeds = envs.group_seeds(cfg.seed, it, cfg.rollout.n_groups, "train")
-        tables, roll = await self._rollout(seeds, cfg.rollout.group_size, self._sampling(cfg.rollout.temperature))
+        tables, roll = await self._rollout(it, seeds)
         t_rollout = time.perf_counter()
         self.phase = "learning"
         record: dict[str, Any] = {"iteration": it + 1, "phase": "train", **self._rollout_metrics(roll, "train")}
@@ -259,39 +273,42 @@ class Controller:
         r = self.cfg.rollout
         return {"temperature": temperature, "top_p": r.top_p, "max_tokens": r.max_tokens}
 
-    async def _rollout(self, seeds: np.ndarray, group_size: int, sampling: dict[str, Any], record: bool = True
-                       ) -> tuple[list[Any], list[dict[str, Any]]]:
-        """Spread the groups over the env-group actors. A failed actor's groups are re-rolled once on the restarted
-        actor, then dropped and counted: the iteration goes on with what the others produced."""
-        slices = [s for s in np.array_split(np.arange(len(seeds)), len(self.env_actors)) if len(s)]
-        cfg = self.cfg.rollout
+    async def _on_actors(self, n: int, call: Any, what: str) -> tuple[list[Any], list[int]]:
+        """Spread items 0..n-1 over the env-group actors: `call(actor, part)` for each slice. A failed actor's slice
+        is redone once on the restarted actor, then dropped and counted: the run goes on with what the others
+        produced. Returns the results of the slices that finished and (redone, dropped) item counts."""
+        slices = [s for s in np.array_split(np.arange(n), len(self.env_actors)) if len(s)]
+        faults = [0, 0]
 
         async def one(k: int, part: np.ndarray):
             for attempt in range(2):
-                actor = self.env_actors[k]
-                table_ref, metrics_ref = actor.rollout.remote(
-                    seeds[part].tolist(), group_size, int(part[0]), sampling, cfg.requests_per_step, record)
                 try:
-                    metrics = await metrics_ref
-                    return table_ref, metrics
+                    return await call(self.env_actors[k], part)
                 except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
-                    what = "re-rolling" if attempt == 0 else "dropping"
-                    logger.warning("env-group actor %d failed (%s); %s its %d groups", k,
-                                   type(e).__name__, what, len(part))
-                    self._fault_counts[0 if attempt == 0 else 1] += len(part)
+                    logger.warning("env-group actor %d failed (%s); %s its %d %s", k, type(e).__name__,
+                                   "redoing" if attempt == 0 else "dropping", len(part), what)
+                    faults[0 if attempt == 0 else 1] += len(part)
                     if isinstance(e, ray.exceptions.RayActorError):
                         await self._revive_env_actor(k)
             return None
 
-        self._fault_counts = [0, 0]
         done = await asyncio.gather(*(one(k, part) for k, part in enumerate(slices)))
-        ok = [d for d in done if d is not None]
-        metrics = [m for _, m in ok]
-        for m in metrics[:1]:
-            m["rerolled_groups"], m["dropped_groups"] = self._fault_counts
-        if not metrics:
-            metrics = [{"episodes": 0, "rerolled_groups": self._fault_counts[0],
-                        "dropped_groups": self._fault_counts[1]}]
+        return [d for d in done if d is not None], faults
+
+    async def _rollout(self, it: int, seeds: np.ndarray) -> tuple[list[Any], list[dict[str, Any]]]:
+        """The iteration's groups, spread over the env-group actors: their record blocks (object refs, never
+        fetched here) and rollout metrics."""
+        cfg = self.cfg
+
+        async def call(actor: Any, part: np.ndarray):
+            table_ref, metrics_ref = actor.rollout.remote(
+                seeds[part].tolist(), cfg.rollout.group_size, int(part[0]), self._sampling(cfg.rollout.temperature),
+                cfg.rollout.requests_per_step, cfg.seed, it)
+            return table_ref, await metrics_ref
+
+        ok, faults = await self._on_actors(len(seeds), call, "groups")
+        metrics = [m for _, m in ok] or [{"episodes": 0}]
+        metrics[0]["rerolled_groups"], metrics[0]["dropped_groups"] = faults
         return [t for t, _ in ok], metrics
 
     async def _revive_env_actor(self, k: int) -> None:
@@ -319,14 +336,28 @@ class Controller:
                         "perf/prompt_tokens_per_step": total("prompt_tokens") / steps,
                         "faults/rerolled_groups": int(total("rerolled_groups")),
                         "faults/dropped_groups": int(total("dropped_groups")),
-                        "faults/prompt_too_long": int(total("prompt_too_long"))})
+                        "faults/prompt_too_long": int(total("prompt_too_long")),
+                        "faults/env_errors": int(total("env_errors"))})
         return out
 
     async def _validate(self, val_seeds: np.ndarray, tag: str = "val", log: bool = True) -> dict[str, Any]:
+        """The held-out evaluation (`actors.evaluation`, as `raygent eval` runs it) spread over the actors."""
         prev, self.phase = self.phase, "validating"
         t0 = time.perf_counter()
-        _, parts = await self._rollout(val_seeds, 1, self._sampling(self.cfg.validation.temperature), record=False)
-        record = self._rollout_metrics(parts, "val")
+        cfg = self.cfg
+        val_kwargs = cfg.validation_env_kwargs
+
+        async def call(actor: Any, part: np.ndarray):
+            return await actor.evaluate.remote(val_seeds[part].tolist(), cfg.validation.samples,
+                                               self._sampling(cfg.validation.temperature), val_kwargs, cfg.seed,
+                                               int(part[0]))
+
+        parts, faults = await self._on_actors(len(val_seeds), call, "held-out seeds")
+        report = summarize([r for part in parts for r in part])
+        record = {f"val/{k}": v for k, v in report.items() if k != "per_task"}
+        for task, numbers in report.get("per_task", {}).items():
+            record[f"val/{task}/success_rate"] = numbers["success_rate"]
+        record["faults/dropped_val_seeds"] = faults[1]
         record["time/validation_s"] = time.perf_counter() - t0
         self.phase = prev
         if log:
@@ -360,8 +391,10 @@ class Controller:
         async def save_optimizer(path: str) -> None:
             await self.trainer.run({"kind": "save_optimizer", "path": path})
 
+        card = self.cfg.agent_card(iteration=self.iteration, weight_version=self.version,
+                                   warm_start_done=self.warm_start_done, base_model=self.cfg.policy.model)
         path = await save_checkpoint(self.run_dir, self.iteration, weights, self.template, state,
-                                     self.cfg.checkpoint.keep, save_optimizer)
+                                     self.cfg.checkpoint.keep, save_optimizer, card)
         self.last_checkpoint = str(path)
         self.phase = prev
         return path
@@ -400,7 +433,9 @@ class Controller:
         bar.close()
         await self.trainer.run({"kind": "reset_optimizer"})
         # RL starts from here: this policy is the KL reference from now on, kept outside the rotating checkpoints.
-        self.reference_model = str(save_reference(self.run_dir, await self.latest_weights, self.template))
+        card = self.cfg.agent_card(iteration=0, weight_version=self.version, warm_start_done=True,
+                                   base_model=self.cfg.policy.model)
+        self.reference_model = str(save_reference(self.run_dir, await self.latest_weights, self.template, card))
         await self.trainer.run({"kind": "set_reference"})
         self.warm_start_done = True
         await self._checkpoint()

@@ -10,7 +10,7 @@ import numpy as np
 
 import envs
 import memory
-from actors.prompting import encode_prompt
+from actors.episodes import demonstration_decider, play, run_sync
 
 # Demonstrations draw training seeds from an iteration index RL never reaches (`envs.group_seeds`).
 DEMO_SEED_INDEX = 1_000_000
@@ -33,31 +33,21 @@ def expert_label(tokenizer: Any, action: str) -> list[int]:
     return tokenizer.encode(f"<action>{action}</action>", add_special_tokens=False) + [tokenizer.eos_token_id]
 
 
-def make_demonstrations(tokenizer: Any, env_name: str, env_kwargs: dict[str, Any], memory_name: str,
-                        memory_kwargs: dict[str, Any], seeds: Sequence[int], expert_prob: float,
-                        rng_seed: int) -> tuple[list[list[int]], list[list[int]]]:
+async def play_demonstrations(tokenizer: Any, env_name: str, env_kwargs: dict[str, Any], memory_name: str,
+                              memory_kwargs: dict[str, Any], seeds: Sequence[int], expert_prob: float,
+                              rng_seed: int) -> tuple[list[list[int]], list[list[int]]]:
     """(prompt ids, reply ids) for every state visited by a player that follows the env's expert with probability
     `expert_prob` (else a uniformly random admissible action, for state variety); each state is labelled with the
-    expert's action. Episodes end when the env ends them or the expert has nothing to say. Deterministic in
-    (`seeds`, `rng_seed`)."""
-    rng = np.random.default_rng(rng_seed)
-    prompts: list[list[int]] = []
-    responses: list[list[int]] = []
+    expert's action. Episodes (the episode runner's, one after another) end when the env ends them or the expert
+    has nothing to say. Deterministic in (`seeds`, `rng_seed`)."""
+    decide = demonstration_decider(tokenizer, expert_prob, np.random.default_rng(rng_seed))
+    env = envs.make(env_name, **env_kwargs)
+    steps = []
     for seed in seeds:
-        env = envs.make(env_name, **env_kwargs)
-        mem = memory.make(memory_name, **memory_kwargs)
-        observation, info = env.reset(seed=int(seed))
-        for _ in range(env.max_steps):
-            expert = env.expert_action()
-            if expert is None:
-                break
-            prompts.append(encode_prompt(tokenizer, env, observation, mem.render()))
-            responses.append(expert_label(tokenizer, expert))
-            actions = info["admissible_actions"]
-            action = expert if (rng.random() < expert_prob or not actions) else actions[rng.integers(len(actions))]
-            next_observation, reward, terminated, truncated, info = env.step(f"<action>{action}</action>")
-            mem.store(observation, info.get("action"), reward, info)
-            observation = next_observation
-            if terminated or truncated:
-                break
-    return prompts, responses
+        steps += (await play(env, memory.make(memory_name, **memory_kwargs), decide, seed=int(seed))).steps
+    return [s.prompt_ids for s in steps], [expert_label(tokenizer, s.label) for s in steps]
+
+
+def make_demonstrations(*args: Any) -> tuple[list[list[int]], list[list[int]]]:
+    """`play_demonstrations` from synchronous code (`raygent sft`, benchmarks)."""
+    return run_sync(play_demonstrations(*args))

@@ -1,9 +1,11 @@
 """Env-group actors: long-lived Ray actors that each host a slice of the environment groups with their memory
-modules, play them against the policy deployment, and emit one step record per (env, step).
+modules, play them against the policy deployment with the one episode runner (`actors.episodes`), and emit one
+step record per (env, step).
 
-Prompts are step-independent (observation + bounded memory), tokenized here with the model's chat template, and sent
-to the policy deployment as token ids: several concurrent requests per step so the replicas share the work. The
-records of one rollout come back as one pyarrow block, which becomes a block of the iteration's Ray Dataset.
+Every env is its own coroutine: it sends its next prompt as soon as its own reply has come back and its own step is
+done. The prompts waiting at one moment go to the policy together (`Coalescer`), split over a few concurrent
+requests so the replicas share the work. The records of one rollout come back as one pyarrow block, which becomes a
+block of the iteration's Ray Dataset.
 """
 
 from __future__ import annotations
@@ -20,8 +22,20 @@ import ray
 
 import envs
 import memory
-from actors.demonstrations import make_demonstrations
-from actors.prompting import encode_prompt
+from actors.demonstrations import play_demonstrations
+from actors.episodes import (
+    Coalescer,
+    Episode,
+    episode_metrics,
+    episode_sampling_seed,
+    play,
+    play_all,
+    policy_decider,
+    random_decider,
+)
+from actors.evaluation import play_heldout
+from actors.metrics import quiet_frameworks
+from actors.retrieval import attach_retriever
 
 logger = logging.getLogger("raygent")
 
@@ -37,34 +51,42 @@ RECORD_SCHEMA = pa.schema([
     ("traj_id", pa.int64()),
     ("step", pa.int32()),
     ("weight_version", pa.int64()),
+    ("env_seed", pa.int64()),  # with sampling_seed and the weights: the episode replays exactly (/v1/episodes)
+    ("sampling_seed", pa.int64()),
 ])
 
 
 @ray.remote(max_restarts=-1, max_task_retries=0)
 class EnvGroupActor:
     def __init__(self, env_name: str, env_kwargs: dict[str, Any], memory_name: str, memory_kwargs: dict[str, Any],
-                 model_path: str, policy: Any, max_model_len: int):
+                 model_path: str, policy: Any, max_model_len: int, retriever: Any = None):
+        import os
+
         from transformers import AutoTokenizer
 
+        quiet_frameworks(os.environ.get("RAYGENT_FRAMEWORK_LOG_LEVEL", "WARNING"))
         self.env_name, self.env_kwargs = env_name, env_kwargs
         self.memory_name, self.memory_kwargs = memory_name, memory_kwargs
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.policy = policy
         self.max_model_len = max_model_len
+        self.retriever = retriever  # the Retriever deployment's handle, for envs with `retriever: serve`
+        self._pools: dict[str, list[Any]] = {}  # env instances reused across rollouts (some are costly to build)
 
     def ready(self) -> bool:
         return True
 
-    def _encode(self, env: Any, observation: str, mem: Any) -> list[int]:
-        return encode_prompt(self.tokenizer, env, observation, mem.render())
+    def _envs(self, n: int, kwargs: dict[str, Any]) -> list[Any]:
+        key = repr(sorted(kwargs.items()))
+        pool = self._pools.setdefault(key, [])
+        while len(pool) < n:
+            pool.append(attach_retriever(envs.make(self.env_name, **kwargs), kwargs, self.retriever))
+        return pool[:n]
 
-    async def _generate(self, prompts: list[list[int]], sampling: dict[str, Any], chunks: int) -> list[dict]:
-        parts = [p.tolist() for p in np.array_split(np.arange(len(prompts)), min(chunks, len(prompts)))]
+    async def _send(self, prompts: list[list[int]], samplings: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for attempt in range(2):  # one retry: a replica may be restarting
             try:
-                replies = await asyncio.gather(*(self.policy.generate.remote([prompts[i] for i in part], sampling)
-                                                 for part in parts if part))
-                return [r for chunk in replies for r in chunk]
+                return await self.policy.generate.remote(prompts, samplings)
             except Exception as e:
                 if attempt == 1:
                     raise
@@ -72,92 +94,86 @@ class EnvGroupActor:
                 await asyncio.sleep(1.0)
         raise AssertionError("unreachable")
 
-    @ray.method(num_returns=2)
-    async def rollout(self, seeds: Sequence[int], group_size: int, group_offset: int, sampling: dict[str, Any],
-                      requests_per_step: int = 2, record: bool = True) -> tuple[pa.Table, dict[str, Any]]:
-        """Play one episode per env of `len(seeds)` groups x `group_size` with the policy. Returns the step records
-        (group ids start at `group_offset`; trajectory id = group_id * group_size + member) and rollout metrics."""
-        started = time.perf_counter()
-        groups = envs.EnvGroups(self.env_name, len(seeds), group_size, self.env_kwargs)
-        observations, infos = groups.reset(seeds)
-        mems = [memory.make(self.memory_name, **self.memory_kwargs) for _ in groups.envs]
-        rows: dict[str, list] = {name: [] for name in RECORD_SCHEMA.names}
-        n = len(groups)
-        returns, lengths = np.zeros(n), np.zeros(n, dtype=np.int64)
-        won, valid_steps = np.zeros(n, dtype=bool), 0
-        too_long = 0
-        gen_seconds, gen_tokens, prompt_tokens = 0.0, 0, 0
-        while not groups.all_done:
-            live = np.flatnonzero(~groups.done)
-            prompts = [self._encode(groups.envs[i], observations[i], mems[i]) for i in live]
-            fits = np.array([len(p) + sampling["max_tokens"] <= self.max_model_len for p in prompts])
-            if not fits.all():  # counted and ended, never silently cut: the config's memory is too long
-                too_long += int((~fits).sum())
-                groups.done[live[~fits]] = True
-                live, prompts = live[fits], [p for p, ok in zip(prompts, fits, strict=True) if ok]
-                if len(live) == 0:
-                    break
-            t0 = time.perf_counter()
-            replies = await self._generate(prompts, sampling, requests_per_step)
-            gen_seconds += time.perf_counter() - t0
-            step_replies: list[str | None] = [None] * n
-            for i, r in zip(live, replies, strict=True):
-                step_replies[i] = r["text"]
-            next_obs, rewards, terminated, truncated, step_infos = groups.step(step_replies)
-            for k, (i, r) in enumerate(zip(live, replies, strict=True)):
-                info = step_infos[i]
-                mems[i].store(observations[i], info.get("action"), float(rewards[i]), info)
-                returns[i] += rewards[i]
-                lengths[i] += 1
-                valid_steps += bool(info["is_action_valid"])
-                won[i] |= bool(info.get("won", False))
-                gen_tokens += len(r["token_ids"])
-                prompt_tokens += len(prompts[k])
-                if record:
-                    rows["prompt_ids"].append(prompts[k])
-                    rows["response_ids"].append(r["token_ids"])
-                    rows["rollout_logprobs"].append(r["logprobs"])
-                    rows["reward"].append(float(rewards[i]))
-                    rows["valid"].append(bool(info["is_action_valid"]))
-                    rows["anchor"].append(str(infos[i]["anchor"]))
-                    rows["action"].append(info.get("action"))
-                    rows["group_id"].append(group_offset + i // group_size)
-                    rows["traj_id"].append((group_offset + i // group_size) * group_size + i % group_size)
-                    rows["step"].append(int(lengths[i] - 1))
-                    rows["weight_version"].append(int(r["weight_version"]))
-                observations[i], infos[i] = next_obs[i], info
-        steps = int(lengths.sum())
-        metrics = {
-            "episodes": n, "won": int(won.sum()), "return_sum": float(returns.sum()), "steps": steps,
-            "valid_steps": valid_steps, "prompt_too_long": too_long, "generate_seconds": gen_seconds,
-            "generated_tokens": gen_tokens, "prompt_tokens": prompt_tokens,
-            "seconds": time.perf_counter() - started, "won_per_env": won.tolist(),
-        }
-        return pa.table(rows, schema=RECORD_SCHEMA), metrics
+    async def _play(self, seeds: Sequence[int], sampling_seeds: Sequence[int], sampling: dict[str, Any],
+                    env_kwargs: dict[str, Any], chunks: int) -> tuple[list[Episode], float]:
+        coalescer = Coalescer(self._send, chunks)
+        games = self._envs(len(seeds), env_kwargs)
+
+        def make(i: int):
+            decide = policy_decider(self.tokenizer, coalescer.generate, sampling, max_model_len=self.max_model_len,
+                                    sampling_seed=sampling_seeds[i])
+            return (games[i], memory.make(self.memory_name, **self.memory_kwargs), decide, int(seeds[i]),
+                    int(sampling_seeds[i]))
+
+        episodes = await play_all(make, len(seeds))
+        return episodes, coalescer.busy_seconds
 
     @ray.method(num_returns=2)
-    def demonstrations(self, seeds: Sequence[int], expert_prob: float, rng_seed: int) -> tuple[pa.Table, dict]:
+    async def rollout(self, seeds: Sequence[int], group_size: int, group_offset: int, sampling: dict[str, Any],
+                      requests_per_step: int = 2, run_seed: int = 0, round_index: int = 0
+                      ) -> tuple[pa.Table, dict[str, Any]]:
+        """One episode per env of `len(seeds)` groups x `group_size` with the policy (env i of group g starts from
+        seeds[g]). Group ids start at `group_offset`; trajectory id = group_id * group_size + member; each episode's
+        sampling seed comes from (run_seed, round_index, group id, member). Returns the step records and metrics."""
+        started = time.perf_counter()
+        groups = [group_offset + g for g in range(len(seeds)) for _ in range(group_size)]
+        members = [m for _ in range(len(seeds)) for m in range(group_size)]
+        env_seeds = [int(s) for s in seeds for _ in range(group_size)]
+        sampling_seeds = [episode_sampling_seed(run_seed, round_index, g, m) for g, m in zip(groups, members,
+                                                                                          strict=True)]
+        episodes, generate_seconds = await self._play(env_seeds, sampling_seeds, sampling, self.env_kwargs,
+                                                      requests_per_step)
+        rows: dict[str, list] = {name: [] for name in RECORD_SCHEMA.names}
+        for episode, group, member in zip(episodes, groups, members, strict=True):
+            for s in episode.steps:
+                rows["prompt_ids"].append(s.prompt_ids)
+                rows["response_ids"].append(s.response_ids)
+                rows["rollout_logprobs"].append(s.logprobs)
+                rows["reward"].append(s.reward)
+                rows["valid"].append(s.valid)
+                rows["anchor"].append(s.anchor)
+                rows["action"].append(s.action)
+                rows["group_id"].append(group)
+                rows["traj_id"].append(group * group_size + member)
+                rows["step"].append(s.step)
+                rows["weight_version"].append(s.weight_version)
+                rows["env_seed"].append(episode.seed)
+                rows["sampling_seed"].append(episode.sampling_seed)
+        errors = [s.env_error for e in episodes for s in e.steps if s.env_error]
+        if errors:
+            logger.warning("%d env errors in this rollout, e.g. %s", len(errors), errors[0])
+        metrics = {**episode_metrics(episodes), "generate_seconds": generate_seconds,
+                   "seconds": time.perf_counter() - started}
+        return pa.table(rows, schema=RECORD_SCHEMA), metrics
+
+    async def evaluate(self, seeds: Sequence[int], samples: int, sampling: dict[str, Any], env_kwargs: dict[str, Any],
+                       run_seed: int = 0, seed_offset: int = 0) -> list[dict[str, Any]]:
+        """Held-out episodes (`actors.evaluation.play_heldout`, the same as `raygent eval`): `samples` per seed with
+        the held-out `env_kwargs`; one result per episode. Seed k of this slice is seed `seed_offset + k` of the whole
+        evaluation, which fixes its sampling seeds."""
+        coalescer = Coalescer(self._send, chunks=2)
+        games = self._envs(len(seeds) * samples, env_kwargs)
+        return await play_heldout(games.__getitem__, lambda: memory.make(self.memory_name, **self.memory_kwargs),
+                                  self.tokenizer, coalescer.generate, seeds, samples=samples, sampling=sampling,
+                                  max_model_len=self.max_model_len, run_seed=run_seed, seed_offset=seed_offset)
+
+    @ray.method(num_returns=2)
+    async def demonstrations(self, seeds: Sequence[int], expert_prob: float, rng_seed: int) -> tuple[pa.Table, dict]:
         """Warm-start data: states visited by a player that follows the env's expert with probability
         `expert_prob` (else a random admissible action), each labelled with the expert's action as the reply
         (`actors.demonstrations.make_demonstrations`, shared with `raygent sft`)."""
-        prompts, responses = make_demonstrations(self.tokenizer, self.env_name, self.env_kwargs, self.memory_name,
-                                                  self.memory_kwargs, seeds, expert_prob, rng_seed)
+        prompts, responses = await play_demonstrations(self.tokenizer, self.env_name, self.env_kwargs,
+                                                        self.memory_name, self.memory_kwargs, seeds, expert_prob,
+                                                        rng_seed)
         table = pa.table({"prompt_ids": pa.array(prompts, pa.list_(pa.int32())),
                           "response_ids": pa.array(responses, pa.list_(pa.int32()))})
         return table, {"rows": len(prompts), "episodes": len(seeds)}
 
-    def random_policy_success(self, seeds: Sequence[int], rng_seed: int) -> float:
+    async def random_policy_success(self, seeds: Sequence[int], rng_seed: int, env_kwargs: dict[str, Any]) -> float:
         """Success rate of a uniformly random admissible action on these seeds: the floor RL must beat."""
-        rng = np.random.default_rng(rng_seed)
+        decide = random_decider(np.random.default_rng(rng_seed))
+        env = self._envs(1, env_kwargs)[0]
         wins = 0
         for seed in seeds:
-            env = envs.make(self.env_name, **self.env_kwargs)
-            _, info = env.reset(seed=int(seed))
-            for _ in range(env.max_steps):
-                actions = info["admissible_actions"]
-                action = actions[rng.integers(len(actions))] if actions else ""
-                _, _, terminated, truncated, info = env.step(f"<action>{action}</action>")
-                if terminated or truncated:
-                    break
-            wins += bool(info.get("won", False))
+            wins += (await play(env, memory.make("none"), decide, seed=int(seed))).won
         return wins / max(1, len(seeds))

@@ -323,8 +323,8 @@ def rl_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rows: dict
                     for name, value in stats.items():
                         sums[name] += float((value * mask).sum())
                     sums["tokens"] += float(mask.sum())
-                    sums["pg_loss"] += float(pg)
-                    sums["loss"] += float(loss)
+                    sums["pg_loss"] += float(pg.detach())
+                    sums["loss"] += float(loss.detach())
                     if first_step and optim.old_logprobs == "rollout":
                         real = batch["response_mask"]
                         gap_sum += float(((logp.detach() - batch["rollout_logprobs"]).abs() * real).sum())
@@ -379,7 +379,7 @@ def sft_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, prompt_id
             logp, _ = token_logprobs(model, batch)
         loss = -aggregate_loss(logp, batch["response_mask"], "token-mean", denominator=n_tokens)
         (loss * collective.world).backward()
-        loss_sum += float(loss)
+        loss_sum += float(loss.detach())
     (loss_sum,) = collective.sum([loss_sum])
     norm = optimizer_step(model, optimizer, grad_clip) if optimizer_steps else 0.0
     return {"sft_loss": loss_sum, "grad_norm": norm}

@@ -11,18 +11,38 @@ from typing import Any
 
 logger = logging.getLogger("raygent")
 
-# Shown on the Ray dashboard (Grafana) as gauges tagged with the run name.
+# Exported through Ray's metrics agent (Prometheus: ray_raygent_<key with / as _>{run="<run name>"}) and drawn by
+# the Grafana dashboard `grafana_dashboard()` builds (docs/grafana/raygent.json): (key, help, panel group).
 DASHBOARD_METRICS = {
-    "train/success_rate": "share of training episodes won",
-    "train/return": "mean episode return",
-    "train/episode_length": "mean episode length (steps)",
-    "train/valid_action_ratio": "share of steps whose reply parsed into an admissible action",
-    "val/success_rate": "held-out success rate",
-    "perf/env_steps_per_s": "env steps per second during rollout",
-    "perf/tokens_per_s": "generated tokens per second during rollout",
-    "train/loss": "policy loss", "train/kl": "KL to the reference policy", "train/entropy": "token entropy",
-    "weight_version": "policy weight version", "time/broadcast_s": "seconds to broadcast new weights",
+    "train/success_rate": ("share of training episodes won", "learning"),
+    "val/success_rate": ("held-out success rate", "learning"),
+    "train/return": ("mean episode return", "learning"),
+    "train/episode_length": ("mean episode length (steps)", "learning"),
+    "train/valid_action_ratio": ("share of steps whose reply parsed into an admissible action", "learning"),
+    "train/loss": ("the update's loss", "update"),
+    "train/approx_kl": ("approx KL(old || new) of the update (k3)", "update"),
+    "train/kl": ("KL to the reference policy", "update"),
+    "train/entropy": ("token entropy", "update"),
+    "train/clip_frac": ("share of tokens clipped", "update"),
+    "train/grad_norm": ("gradient norm before clipping", "update"),
+    "train/rollout_trainer_logprob_gap": ("mean |engine - trainer| behaviour log-prob", "update"),
+    "perf/env_steps_per_s": ("env steps per second during rollout", "speed"),
+    "perf/tokens_per_s": ("generated tokens per second during rollout", "speed"),
+    "time/iteration_s": ("seconds per iteration", "speed"),
+    "time/generate_s": ("seconds of the rollout waiting on the policy", "speed"),
+    "time/train_s": ("seconds of the Train job's update", "speed"),
+    "time/broadcast_s": ("seconds to broadcast new weights", "speed"),
+    "weight_version": ("policy weight version", "faults"),
+    "faults/rerolled_groups": ("groups re-rolled after an env-group actor failed", "faults"),
+    "faults/dropped_groups": ("groups dropped after a second failure", "faults"),
+    "faults/prompt_too_long": ("episodes ended by a prompt longer than max_model_len", "faults"),
+    "faults/env_errors": ("failures of services an env depends on (retriever, tools)", "faults"),
 }
+
+
+def prometheus_name(key: str) -> str:
+    """What Ray's metrics agent calls the gauge of a metrics key."""
+    return "ray_raygent_" + key.replace("/", "_")
 
 
 class MetricsSink:
@@ -44,8 +64,8 @@ class MetricsSink:
             from ray.util.metrics import Gauge
         except ImportError:  # outside Ray
             return {}
-        return {k: Gauge("raygent_" + k.replace("/", "_"), description=d, tag_keys=("run",))
-                for k, d in DASHBOARD_METRICS.items()}
+        return {k: Gauge(prometheus_name(k).removeprefix("ray_"), description=d, tag_keys=("run",))
+                for k, (d, _) in DASHBOARD_METRICS.items()}
 
     def _start_wandb(self, config: dict[str, Any], run_dir: Path):
         import wandb
@@ -99,3 +119,61 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             out[key] = v
     return out
+
+
+FRAMEWORK_LOGGERS = ("ray.train", "ray.data", "ray.tune", "transformers", "vllm", "filelock", "urllib3")
+
+
+def quiet_frameworks(level: str = "WARNING") -> None:
+    """Framework logs at `level` in this process (Ray Train / Data, transformers, vLLM; progress bars off below
+    INFO), so the console shows the run's own lines. `logging.framework_level: INFO` brings them back."""
+    import warnings
+
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", level)  # read when vLLM is first imported
+    for name in FRAMEWORK_LOGGERS:
+        logging.getLogger(name).setLevel(level)
+    if logging.getLevelName(level) > logging.INFO:
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        warnings.filterwarnings("ignore", category=DeprecationWarning)
+        try:
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.set_verbosity(logging.getLevelName(level))
+            hf_logging.disable_progress_bar()
+        except ImportError:
+            pass
+
+
+def grafana_dashboard() -> dict[str, Any]:
+    """A Grafana dashboard (JSON model) of the raygent gauges for Ray's Prometheus + Grafana setup: one row per group,
+    one time series per metric, a `run` variable over the runs the cluster exported. Committed as
+    docs/grafana/raygent.json (a test keeps the two equal)."""
+    panels: list[dict[str, Any]] = []
+    y = 0
+    for group in dict.fromkeys(g for _, g in DASHBOARD_METRICS.values()):
+        panels.append({"type": "row", "title": group, "collapsed": False, "id": len(panels) + 1,
+                       "gridPos": {"h": 1, "w": 24, "x": 0, "y": y}, "panels": []})
+        y += 1
+        keys = [k for k, (_, g) in DASHBOARD_METRICS.items() if g == group]
+        for i, key in enumerate(keys):
+            description, _ = DASHBOARD_METRICS[key]
+            panels.append({
+                "type": "timeseries", "title": key, "description": description, "id": len(panels) + 1,
+                "datasource": {"type": "prometheus", "uid": "${datasource}"},
+                "gridPos": {"h": 7, "w": 8, "x": 8 * (i % 3), "y": y + 7 * (i // 3)},
+                "targets": [{"refId": "A", "expr": f'{prometheus_name(key)}{{run=~"$run"}}',
+                             "legendFormat": "{{run}}", "datasource": {"type": "prometheus",
+                                                                      "uid": "${datasource}"}}],
+                "fieldConfig": {"defaults": {"unit": "percentunit" if "rate" in key or "ratio" in key else "none"},
+                                "overrides": []}})
+        y += 7 * ((len(keys) + 2) // 3)
+    return {
+        "title": "raygent", "uid": "raygent-run", "tags": ["raygent", "ray"], "schemaVersion": 39,
+        "time": {"from": "now-1h", "to": "now"}, "refresh": "10s", "editable": True, "panels": panels,
+        "templating": {"list": [
+            {"name": "datasource", "type": "datasource", "query": "prometheus", "label": "Data source"},
+            {"name": "run", "type": "query", "label": "Run", "multi": True, "includeAll": True,
+             "datasource": {"type": "prometheus", "uid": "${datasource}"},
+             "query": {"query": f"label_values({prometheus_name('weight_version')}, run)", "refId": "run"},
+             "definition": f"label_values({prometheus_name('weight_version')}, run)", "refresh": 2}]},
+    }

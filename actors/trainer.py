@@ -161,7 +161,9 @@ def train_loop_per_worker(cfg: dict[str, Any]) -> None:
 
     from actors.config import OptimConfig
     from actors.learner import Collective, lr_at, rl_step, sft_step
+    from actors.metrics import quiet_frameworks
 
+    quiet_frameworks(cfg.get("framework_log_level", "WARNING"))
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     torch.manual_seed(cfg["seed"])

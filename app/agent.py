@@ -1,22 +1,31 @@
 """The trained agent over HTTP (`serve run serve_configs/agent.yaml`).
 
+The model folder says what agent it is (`raygent_agent.json`, written by every checkpoint and by `raygent sft`: the
+env and its kwargs, the memory, the exact prompt strings, the sampling its validation used), so `policy.model:
+<checkpoint>/model` alone serves the agent as trained. Requests may override only what the config allows.
+
 - OpenAI-compatible: `GET /v1/models`, `POST /v1/chat/completions` (log-probs, streaming), `POST /v1/completions`.
-- `POST /v1/act`: one step of an agent session; the prompt is built exactly as in training and the session's memory
-  lives on the server (sessions expire).
-- `POST /v1/episodes`: plays a whole episode of a built-in env and returns the trajectory.
+- `GET /v1/agent`: the agent card being served.
+- `POST /v1/episodes`: plays a whole episode of the env with the episode runner training uses and returns the
+  trajectory; the same env seed and `sampling_seed` replay a training or validation episode.
+- `POST /v1/act`: one step of an agent session. With a `seed` the server keeps the session's env (reset with that
+  seed), so the prompt shows the state's real admissible actions and the env's own parser reads the reply; with an
+  `observation` the client runs the env and the server builds the prompt around it. The session's memory lives on
+  the server (sessions expire). `reply` plays a given reply instead of the policy's (a person, a script).
 
 Every bad request gets a 4xx whose message says what to fix; the policy's own refusals (prompt too long) are 400s.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import secrets
 import time
 import uuid
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
@@ -29,10 +38,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import envs
 import memory
-from actors.config import PolicyConfig
-from actors.prompting import agent_messages
+from actors.checkpoint import read_agent_card
+from actors.config import AgentCard, PolicyConfig, RetrieverConfig
+from actors.episodes import Decision, PromptTooLong, StepRecord, Turn, play, policy_decider
+from actors.prompting import encode_prompt
+from actors.retrieval import attach_retriever
 from app.default_model import resolve_model
 from app.policy import Policy
+from app.retriever import Retriever
 
 API_KEY_ENV = "RAYGENT_API_KEY"
 
@@ -48,12 +61,21 @@ class AgentConfig(BaseModel):
     auth_token: str | None = Field(None, description=f"bearer token; also read from ${API_KEY_ENV}")
     max_request_bytes: int = Field(1 << 20, ge=1024)
     max_tokens_limit: int = Field(512, ge=1, description="largest max_tokens a request may ask for")
-    default_max_tokens: int = Field(64, ge=1)
-    memory: str = "simple"
+    default_max_tokens: int = Field(64, ge=1, description="for chat and completion requests without max_tokens")
+    memory: str | None = Field(None, description="memory of agent sessions for a model folder without an agent "
+                                                 "card (default simple); a card's memory always wins")
     memory_kwargs: dict[str, Any] = Field(default_factory=dict)
+    allowed_envs: list[str] | None = Field(
+        None, description="envs a request may name: default the card's env, or every built-in env for a model "
+                          "without a card; an import path (package.module:Class) only when listed here")
+    allowed_env_kwargs: list[str] = Field(
+        default_factory=lambda: ["max_steps"], description="env kwargs a request may set (on top of the card's); "
+                                                           "data paths and sizes stay the server's")
     session_ttl_s: float = Field(1800.0, gt=0)
     max_sessions: int = Field(10_000, ge=1)
     max_episode_steps: int = Field(200, ge=1)
+    retriever: RetrieverConfig | None = Field(None, description="a retrieval deployment for search envs with "
+                                                                "`retriever: serve` (default: the card's)")
 
 
 def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error") -> JSONResponse:
@@ -101,25 +123,35 @@ class CompletionRequest(_SamplingRequest):
         return v
 
 
-class ActRequest(_Strict):
-    env: str = Field(description="built-in env name or package.module:Class; fixes the prompt template")
-    observation: str = Field(min_length=1)
+class _AgentRequest(_Strict):
+    env: str | None = Field(None, description="env name (default: the agent card's); fixes the prompt template and "
+                                              "the parser")
+    env_kwargs: dict[str, Any] = Field(default_factory=dict, description="on top of the card's; only the keys the "
+                                                                         "server allows")
+    temperature: float | None = Field(None, ge=0.0, le=2.0, description="default: the card's validation sampling")
+    max_tokens: int | None = Field(None, ge=1)
+
+
+class ActRequest(_AgentRequest):
     session_id: str | None = Field(None, max_length=128, description="omit to start a new session")
-    reward: float = Field(0.0, description="reward the previous action of this session received")
-    info: dict[str, Any] = Field(default_factory=dict, description="the env's info for the previous step")
-    env_kwargs: dict[str, Any] = Field(default_factory=dict)
-    temperature: float = Field(0.0, ge=0.0, le=2.0)
-    max_tokens: int | None = Field(None, ge=1)
-    seed: int | None = None
+    seed: int | None = Field(None, description="start a server-side session: the server resets its env with this "
+                                               "seed and steps it with each reply")
+    observation: str | None = Field(None, min_length=1, description="client-side env: the observation to act on")
+    admissible_actions: list[str] | None = Field(None, description="client-side env: the actions legal now")
+    reward: float = Field(0.0, description="client-side env: the reward the previous action received")
+    info: dict[str, Any] = Field(default_factory=dict, description="client-side env: the env's info of that step")
+    reply: str | None = Field(None, max_length=4096, description="play this reply instead of the policy's")
+    sampling_seed: int | None = None
 
 
-class EpisodeRequest(_Strict):
-    env: str
+class EpisodeRequest(_AgentRequest):
     seed: int = 0
-    env_kwargs: dict[str, Any] = Field(default_factory=dict)
-    temperature: float = Field(0.0, ge=0.0, le=2.0)
-    max_tokens: int | None = Field(None, ge=1)
+    split: str | None = Field(None, description="a held-out split of the env (its heldout_splits, e.g. val, test, "
+                                                "valid_unseen); default: the training distribution")
+    sampling_seed: int | None = Field(None, description="replay: the episode's sampling seed (as recorded in "
+                                                        "training rows and evaluation reports)")
     max_steps: int | None = Field(None, ge=1)
+    return_tokens: bool = Field(False, description="include each step's prompt and reply token ids")
 
 
 @dataclass
@@ -128,9 +160,15 @@ class _Session:
     env: Any
     memory: Any
     last_used: float
-    pending: tuple[str, str | None] | None = None  # (observation, action) awaiting its reward
     steps: int = 0
-    history: list[str] = field(default_factory=list)
+    # client-side env: the (observation, action) awaiting its reward
+    pending: tuple[str, str | None] | None = None
+    # server-side env: the episode runner's coroutine, paused at each decision until a request arrives
+    task: asyncio.Task | None = None
+    requests: asyncio.Queue | None = None
+    results: asyncio.Queue | None = None
+    last_turn: tuple[str, list[str]] | None = None  # the prompt and admissible actions of the turn being decided
+    over: bool = False
 
 
 fastapi_app = FastAPI(title="raygent agent", version="0.1")
@@ -216,9 +254,10 @@ async def _completion_stream(rid: str, created: int, model: str, choices: list[d
 @serve.deployment(ray_actor_options={"num_cpus": 0.1}, max_ongoing_requests=256)
 @serve.ingress(fastapi_app)
 class AgentAPI:
-    def __init__(self, policy: DeploymentHandle, config: dict[str, Any]):
+    def __init__(self, policy: DeploymentHandle, config: dict[str, Any], retriever: DeploymentHandle | None = None):
         self.config = AgentConfig.model_validate(config)
         self.policy = policy
+        self.retriever = retriever
         self.model_path = resolve_model(self.config.policy.model)
         # A folder is named by its last part; "default" or a hub id by itself.
         given = self.config.policy.model
@@ -228,7 +267,11 @@ class AgentAPI:
         self.sessions: OrderedDict[str, _Session] = OrderedDict()
         self.created = int(time.time())
         self._tokenizer = None
-        memory.make(self.config.memory, **self.config.memory_kwargs)  # a bad memory name fails at start-up
+        # What the served folder is as an agent (None for a plain HF folder or a hub id).
+        self.card: AgentCard | None = read_agent_card(self.model_path) if os.path.isdir(self.model_path) else None
+        if self.card is None:
+            memory.make(self.config.memory or "simple", **self.config.memory_kwargs)  # a bad name fails at start-up
+        self.allowed_envs = self.config.allowed_envs or ([self.card.env.name] if self.card else envs.list_envs())
 
         fastapi_app.state.guard = (self.token, self.config.max_request_bytes)
 
@@ -319,84 +362,219 @@ class AgentAPI:
         return {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
                 "choices": choices, "usage": usage}
 
-    # ---- agent sessions --------------------------------------------------------------------------------------
-    def _make_env(self, name: str, kwargs: dict[str, Any]) -> Any:
+    # ---- the agent: its env, memory and sampling ---------------------------------------------------------------
+    @fastapi_app.get("/v1/agent")
+    async def agent(self) -> dict[str, Any]:
+        """The agent card of the served model folder (null for a model without one) and what requests may set."""
+        return {"model": self.model_name, "card": self.card.model_dump() if self.card else None,
+                "allowed_envs": self.allowed_envs, "allowed_env_kwargs": self.config.allowed_env_kwargs}
+
+    def _env_name(self, requested: str | None) -> str:
+        name = requested or (self.card.env.name if self.card else None)
+        if name is None:
+            raise _BadRequest("env is required: this model folder has no agent card (raygent_agent.json) naming its "
+                              f"env; allowed: {self.allowed_envs}", "env")
+        if name not in self.allowed_envs:
+            raise _BadRequest(f"env {name!r} is not served here; allowed: {self.allowed_envs}", "env")
+        return name
+
+    def _make_env(self, name: str, env_kwargs: dict[str, Any], split: str | None = None) -> Any:
+        refused = sorted(set(env_kwargs) - set(self.config.allowed_env_kwargs))
+        if refused:
+            raise _BadRequest(f"env_kwargs {refused} may not be set by a request; allowed: "
+                              f"{self.config.allowed_env_kwargs}", "env_kwargs")
         try:
-            return envs.make(name, **kwargs)
+            trained = self.card is not None and name == self.card.env.name
+            base = self.card.env.kwargs if trained else {}
+            splits = envs.make(name, **base).heldout_splits
+            if split is not None and split not in splits:
+                raise _BadRequest(f"split {split!r} is not a held-out split of {name!r}; allowed: {sorted(splits)}",
+                                  "split")
+            overrides = {**env_kwargs, **(splits[split] if split else {})}
+            env = self.card.make_env(**overrides) if trained else envs.make(name, **overrides)
+            return attach_retriever(env, {**base, **overrides}, self.retriever)
         except (ValueError, TypeError) as e:
             raise _BadRequest(f"env: {e}", "env") from e
 
-    def _session(self, req: ActRequest) -> tuple[str, _Session]:
+    def _make_memory(self) -> Any:
+        if self.card is not None:
+            return self.card.make_memory()
+        return memory.make(self.config.memory or "simple", **self.config.memory_kwargs)
+
+    def _agent_sampling(self, req: _AgentRequest) -> dict[str, Any]:
+        """The card's validation sampling (what the agent was measured with) unless the request says otherwise."""
+        card = self.card.sampling if self.card else None
+        temperature = req.temperature if req.temperature is not None else (card.temperature if card else 1.0)
+        max_tokens = req.max_tokens or (card.max_tokens if card else self.config.default_max_tokens)
+        if max_tokens > self.config.max_tokens_limit:
+            raise _BadRequest(f"max_tokens {max_tokens} is above this server's limit "
+                              f"{self.config.max_tokens_limit}", "max_tokens")
+        return {"temperature": temperature, "top_p": card.top_p if card else 1.0, "max_tokens": max_tokens}
+
+    async def _generate_one(self, prompt: list[int], sampling: dict[str, Any]) -> dict[str, Any]:
+        return (await self._generate([prompt], sampling))[0]
+
+    def _decider(self, sampling: dict[str, Any], sampling_seed: int | None):
+        return policy_decider(self.tokenizer, self._generate_one, sampling,
+                              max_model_len=self.config.policy.max_model_len, sampling_seed=sampling_seed)
+
+    @staticmethod
+    def _step_json(s: StepRecord, tokens: bool) -> dict[str, Any]:
+        out = {"step": s.step, "observation": s.observation, "reply": s.reply, "action": s.action,
+               "valid": s.valid, "reward": s.reward, "weight_version": s.weight_version}
+        if tokens:
+            out.update(prompt_token_ids=s.prompt_ids, response_token_ids=s.response_ids, logprobs=s.logprobs)
+        return out
+
+    # ---- whole episodes ------------------------------------------------------------------------------------------
+    @fastapi_app.post("/v1/episodes")
+    async def episodes(self, req: EpisodeRequest) -> dict[str, Any]:
+        name = self._env_name(req.env)
+        env = self._make_env(name, req.env_kwargs, req.split)
+        sampling = self._agent_sampling(req)
+        limit = min(req.max_steps or env.max_steps, self.config.max_episode_steps)
+        episode = await play(env, self._make_memory(), self._decider(sampling, req.sampling_seed), seed=req.seed,
+                             max_steps=limit, sampling_seed=req.sampling_seed)
+        return {"env": name, "seed": req.seed, "split": req.split, "sampling_seed": req.sampling_seed,
+                "sampling": sampling, "return": episode.return_, "won": episode.won, "steps": len(episode.steps),
+                "ended": episode.ended, "final_observation": episode.final_observation,
+                "trajectory": [self._step_json(s, req.return_tokens) for s in episode.steps]}
+
+    # ---- agent sessions ------------------------------------------------------------------------------------------
+    def _expire_sessions(self) -> None:
         now = time.monotonic()
         for sid in [s for s, v in self.sessions.items() if now - v.last_used > self.config.session_ttl_s]:
-            del self.sessions[sid]
-        if req.session_id is None:
-            sid = uuid.uuid4().hex
+            self._drop(sid)
+        while len(self.sessions) > self.config.max_sessions:
+            self._drop(next(iter(self.sessions)))
+
+    def _drop(self, sid: str) -> _Session | None:
+        session = self.sessions.pop(sid, None)
+        if session is not None and session.task is not None:
+            session.task.cancel()
+        return session
+
+    def _new_session(self, req: ActRequest) -> _Session:
+        if req.seed is None and req.observation is None:
+            raise _BadRequest("start a session with a seed (the server runs the env) or an observation (the client "
+                              "runs it)", "seed")
+        name = self._env_name(req.env)
+        session = _Session(name, self._make_env(name, req.env_kwargs), self._make_memory(), time.monotonic())
+        if req.seed is not None:
+            self._start_episode(session, req.seed)
+        return session
+
+    def _start_episode(self, session: _Session, seed: int) -> None:
+        """The session's episode is the episode runner's coroutine, paused at each decision until the next request
+        for the session arrives; its steps are reported back through a queue."""
+        session.requests, session.results = asyncio.Queue(), asyncio.Queue()
+
+        async def decide(turn: Turn) -> Decision:
+            # what the agent is shown now (the env moves on after this step)
+            session.last_turn = (turn.prompt_text, list(turn.info["admissible_actions"]))
+            req: ActRequest = await session.requests.get()
+            if req.reply is not None:
+                prompt = encode_prompt(self.tokenizer, turn.env, turn.observation, turn.memory.render())
+                return Decision(req.reply, prompt_ids=prompt)
+            return await self._decider(self._agent_sampling(req), req.sampling_seed)(turn)
+
+        def on_step(record: StepRecord, observation: str, over: bool) -> None:
+            # runs before the runner asks for the next decision: last_turn is still the turn just played
+            session.results.put_nowait(("step", record, observation, over, session.last_turn))
+
+        limit = min(session.env.max_steps, self.config.max_episode_steps)
+        session.task = asyncio.get_running_loop().create_task(
+            play(session.env, session.memory, decide, seed=seed, max_steps=limit, on_step=on_step))
+        session.task.add_done_callback(lambda task: session.results.put_nowait(("end", task)))
+
+    async def _act_server_side(self, sid: str, s: _Session, req: ActRequest) -> dict[str, Any]:
+        if s.over:
+            raise _BadRequest(f"session {sid}'s episode is over; start a new session", "session_id", 409)
+        s.requests.put_nowait(req)
+        kind, *rest = await s.results.get()
+        if kind == "end":  # the episode ended without a step: an error inside the decision, or a prompt too long
+            s.over = True
+            (task,) = rest
+            error = None if task.cancelled() else task.exception()
+            if isinstance(error, _BadRequest | ValueError):
+                raise error if isinstance(error, _BadRequest) else _BadRequest(str(error)) from error
+            if error is not None:
+                raise error
+            episode = task.result()
+            raise _BadRequest(f"the episode ended ({episode.ended}): the prompt does not fit max_model_len "
+                              f"{self.config.policy.max_model_len}" if episode.ended == "prompt_too_long"
+                              else f"the episode ended ({episode.ended})", "session_id")
+        record, observation, over, turn = rest
+        s.over = over
+        prompt, actions = turn
+        return {"session_id": sid, "step": s.steps, "prompt": prompt, "admissible_actions": actions,
+                "reply": record.reply, "action": record.action, "valid": record.valid,
+                "valid_format": record.action is not None, "reward": record.reward, "observation": observation,
+                "done": over, "weight_version": record.weight_version}
+
+    async def _act_client_side(self, sid: str, s: _Session, req: ActRequest) -> dict[str, Any]:
+        if req.observation is None:
+            raise _BadRequest(f"session {sid} acts on the client's env: send its observation", "observation")
+        if s.pending is not None:  # the previous step's reward is known now: store it as training did
+            s.memory.store(s.pending[0], s.pending[1], req.reward, req.info)
+        if req.admissible_actions is not None:
+            actions = list(req.admissible_actions)
+            s.env.admissible_actions = lambda: list(actions)  # the client's env says what is legal now
+        info = {"admissible_actions": s.env.admissible_actions()}
+        turn = Turn(s.env, req.observation, info, s.memory, s.steps - 1)
+        if req.reply is not None:
+            decision = Decision(req.reply)
         else:
-            sid = req.session_id
-        session = self.sessions.get(sid)
-        if session is None:
-            if req.session_id is not None and len(req.session_id) < 8:
-                raise _BadRequest("session_id must be at least 8 characters (or omit it to start a session)",
-                                  "session_id")
-            session = _Session(req.env, self._make_env(req.env, req.env_kwargs),
-                               memory.make(self.config.memory, **self.config.memory_kwargs), now)
-            self.sessions[sid] = session
-            while len(self.sessions) > self.config.max_sessions:
-                self.sessions.popitem(last=False)
-        elif session.env_name != req.env:
-            raise _BadRequest(f"session {sid} plays {session.env_name!r}, not {req.env!r}; start a new session", "env")
-        session.last_used = now
-        self.sessions.move_to_end(sid)
-        return sid, session
+            try:
+                decision = await self._decider(self._agent_sampling(req), req.sampling_seed)(turn)
+            except PromptTooLong as e:
+                raise _BadRequest(f"prompt too long: {e}", "observation") from e
+        action = s.env.match_action(decision.reply)  # the env's own parser
+        s.pending = (req.observation, action)
+        return {"session_id": sid, "step": s.steps, "prompt": turn.prompt_text,
+                "admissible_actions": info["admissible_actions"], "reply": decision.reply, "action": action,
+                "valid": action is not None, "valid_format": action is not None,
+                "weight_version": decision.weight_version}
 
     @fastapi_app.post("/v1/act")
     async def act(self, req: ActRequest) -> dict[str, Any]:
-        sid, s = self._session(req)
-        if s.pending is not None:  # the previous step's reward is known now: store it as training did
-            s.memory.store(s.pending[0], s.pending[1], req.reward, req.info)
-        messages = agent_messages(s.env, req.observation, s.memory.render())
-        reply = (await self._generate([messages], self._sampling(req, req.max_tokens)))[0]
-        action = envs.parse_action(reply["text"])
-        s.pending = (req.observation, action)
-        s.steps += 1
-        return {"session_id": sid, "step": s.steps, "action": action, "valid_format": action is not None,
-                "reply": reply["text"], "prompt": messages[0]["content"], "weight_version": reply["weight_version"]}
+        self._expire_sessions()
+        sid = req.session_id
+        session = self.sessions.get(sid) if sid else None
+        if session is None:
+            if sid is not None and len(sid) < 8:
+                raise _BadRequest("session_id must be at least 8 characters (or omit it to start a session)",
+                                  "session_id")
+            session = self._new_session(req)
+            sid = sid or uuid.uuid4().hex
+            self.sessions[sid] = session
+        elif req.env is not None and req.env != session.env_name:
+            raise _BadRequest(f"session {sid} plays {session.env_name!r}, not {req.env!r}; start a new session", "env")
+        session.last_used = time.monotonic()
+        self.sessions.move_to_end(sid)
+        session.steps += 1
+        if session.task is not None:
+            return await self._act_server_side(sid, session, req)
+        return await self._act_client_side(sid, session, req)
 
     @fastapi_app.delete("/v1/act/{session_id}")
     async def end_session(self, session_id: str) -> dict[str, Any]:
-        if self.sessions.pop(session_id, None) is None:
+        if self._drop(session_id) is None:
             raise _BadRequest(f"no session {session_id!r} (it may have expired)", "session_id", 404)
         return {"session_id": session_id, "deleted": True}
 
-    @fastapi_app.post("/v1/episodes")
-    async def episodes(self, req: EpisodeRequest) -> dict[str, Any]:
-        env = self._make_env(req.env, req.env_kwargs)
-        mem = memory.make(self.config.memory, **self.config.memory_kwargs)
-        sampling = self._sampling(req, req.max_tokens)
-        limit = min(req.max_steps or env.max_steps, self.config.max_episode_steps)
-        observation, info = env.reset(seed=req.seed)
-        trajectory, total, won = [], 0.0, False
-        for step in range(limit):
-            messages = agent_messages(env, observation, mem.render())
-            reply = (await self._generate([messages], {**sampling, "seed": None if req.temperature == 0
-                                                       else req.seed * 100_003 + step}))[0]
-            next_observation, reward, terminated, truncated, info = env.step(reply["text"])
-            mem.store(observation, info.get("action"), reward, info)
-            trajectory.append({"step": step, "observation": observation, "reply": reply["text"],
-                               "action": info.get("action"), "valid": bool(info["is_action_valid"]),
-                               "reward": float(reward)})
-            total += float(reward)
-            won = bool(info.get("won", False))
-            observation = next_observation
-            if terminated or truncated:
-                break
-        return {"env": req.env, "seed": req.seed, "return": total, "won": won, "steps": len(trajectory),
-                "final_observation": observation, "trajectory": trajectory}
-
 
 def build_agent_app(args: dict[str, Any]) -> serve.Application:
-    """`serve run serve_configs/agent.yaml` entry. A bad config fails here, before any replica starts."""
-    config = AgentConfig.model_validate(args or {})
+    """`serve run serve_configs/agent.yaml` entry. A bad config fails here, before any replica starts. A model
+    whose agent card names a retrieval deployment (a search agent) gets one beside the policy. `model=DIR` is
+    short for `policy: {model: DIR}`: `serve run app.agent:build_agent_app model=runs/<run>/checkpoints/<it>/model`."""
+    args = dict(args or {})
+    if "model" in args:
+        args["policy"] = {**(args.get("policy") or {}), "model": args.pop("model")}
+    config = AgentConfig.model_validate(args)
     policy = Policy.bind(config.policy.model_dump())
-    return AgentAPI.bind(policy, config.model_dump())
+    path = resolve_model(config.policy.model)
+    card = read_agent_card(path) if os.path.isdir(path) else None
+    retriever_cfg = config.retriever or (card.retriever if card else None)
+    retriever = Retriever.bind(retriever_cfg.model_dump()) if retriever_cfg else None
+    return AgentAPI.bind(policy, config.model_dump(), retriever)

@@ -1,4 +1,5 @@
-"""The `raygent` command: list environments, play one in the terminal, run the supervised warm start."""
+"""The `raygent` command: list environments, play one in the terminal, run the supervised warm start, evaluate a
+trained agent."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import json
 import re
 import sys
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 import envs
 import memory
@@ -21,38 +24,79 @@ def _cmd_envs(args: argparse.Namespace) -> int:
 
 
 def _cmd_play(args: argparse.Namespace) -> int:
-    """A person plays the env and sees the exact prompt the agent would see (same template, same memory)."""
-    env = envs.make(args.env)
-    mem = memory.make(args.memory)
-    observation, info = env.reset(seed=args.seed)
-    mem.reset()
-    total, steps = 0.0, 0
-    print(f"# {args.env}, seed {args.seed}, memory {args.memory!r}. Type a reply (a bare action is wrapped in "
-          "<action></action> for you); Ctrl-D quits.\n")
-    while True:
+    """A person plays the env through the episode runner and sees the exact prompt the agent would see (same
+    template, same memory; with --model, the env, kwargs and memory of that model folder's agent card)."""
+    from actors.episodes import play, run_sync, scripted_decider
+    from app.eval import load_card
+
+    if args.model:
+        card = load_card(Path(args.model), args.env, None)
+        env, mem, label = card.make_env(), card.make_memory(), f"{card.env.name} as {args.model} was trained"
+    elif args.env:
+        env, mem, label = envs.make(args.env), memory.make(args.memory), args.env
+    else:
+        raise ValueError("give an env name (raygent envs) or --model DIR")
+    print(f"# {label}, seed {args.seed}. Type a reply (a bare action is wrapped in <action></action> for you); "
+          "Ctrl-D quits.\n")
+    total = 0.0
+
+    def choose(turn) -> str | None:
         print("=" * 30 + " prompt " + "=" * 30)
-        print(env.build_prompt(observation, mem.render()))
+        print(turn.prompt_text)
         print("=" * 68)
         try:
             line = input("your reply> ")
         except EOFError:
             print()
-            break
+            return None
         # Replies that already carry an env's own tags go through as typed; a bare action is wrapped.
         tagged = re.search(r"<(action|search|answer|tool_call)>", line, re.IGNORECASE)
-        reply = line if tagged else f"<action>{line.strip()}</action>"
-        next_observation, reward, terminated, truncated, info = env.step(reply)
-        mem.store(observation, info.get("action"), reward, info)
-        observation = next_observation
-        total += reward
-        steps += 1
-        valid = "valid" if info["is_action_valid"] else "INVALID"
-        print(f"-> {valid} action {info.get('action')!r}, reward {reward:+g}, return {total:+g}\n")
-        if terminated or truncated:
-            print(env.render())
-            print(f"Episode over after {steps} steps: {'won' if info['won'] else 'not won'}, return {total:+g}")
-            break
+        return line if tagged else f"<action>{line.strip()}</action>"
+
+    def after(record, observation: str, over: bool) -> None:
+        nonlocal total
+        total += record.reward
+        valid = "valid" if record.valid else "INVALID"
+        print(f"-> {valid} action {record.action!r}, reward {record.reward:+g}, return {total:+g}\n")
+
+    async def one() -> Any:
+        return await play(env, mem, scripted_decider(choose), seed=args.seed, on_step=after)
+
+    episode = run_sync(one())
+    if episode.ended in ("terminated", "truncated"):
+        print(env.render())
+        print(f"Episode over after {len(episode.steps)} steps: {'won' if episode.won else 'not won'}, "
+              f"return {episode.return_:+g}")
     return 0
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from app.launch import train
+
+    return train(args.config)
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from app.eval import evaluate_checkpoint, format_report
+
+    env_kwargs = _json_arg(args.env_kwargs, "--env-kwargs")
+    splits = None if args.split in (None, "all") else args.split.split(",")
+    out = args.out or Path(args.checkpoint) / "eval.json"
+    report = evaluate_checkpoint(args.checkpoint, splits=splits, n_seeds=args.seeds, samples=args.samples,
+                                 temperature=args.temperature, engine=args.engine, env=args.env,
+                                 env_kwargs=env_kwargs, max_steps=args.max_steps, out=out)
+    print(format_report(report))
+    print(f"wrote {out}")
+    return 0
+
+
+def _json_arg(value: str | None, flag: str) -> Any:
+    if value is None:
+        return None
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{flag} is not JSON: {e}") from None
 
 
 # `raygent sft` flags that override a field of the training config (dotted path), so that a bad value names the
@@ -74,10 +118,7 @@ def _cmd_sft(args: argparse.Namespace) -> int:
     hf_logging.disable_progress_bar()  # one line per evaluation is the display
     overrides = {path: getattr(args, dest) for dest, path in SFT_OVERRIDES.items()}
     if args.env_kwargs is not None:
-        try:
-            overrides["env.kwargs"] = json.loads(args.env_kwargs)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--env-kwargs is not JSON: {e}") from None
+        overrides["env.kwargs"] = _json_arg(args.env_kwargs, "--env-kwargs")
     cfg = build_config(args.config, args.env, overrides)
     train_sft(cfg, out=args.out, device=args.device)
     return 0
@@ -87,11 +128,38 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="raygent", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("envs", help="list the built-in environments").set_defaults(func=_cmd_envs)
+    tr = sub.add_parser("train", help="serve run a training config, follow it to its end (what make train runs)",
+                        description="Runs `serve run CONFIG` (framework logs to <run folder>/serve.log), prints one "
+                                    "line per phase, evaluation and iteration, and exits when the run ends (0 done "
+                                    "or stopped, 1 failed, 2 bad config), saying where the checkpoint is and how "
+                                    "to serve it. Ctrl-C: stop after the running iteration, with a checkpoint.")
+    tr.add_argument("config", nargs="?", default="serve_configs/train.yaml")
+    tr.set_defaults(func=_cmd_train)
     play = sub.add_parser("play", help="play an environment in the terminal, shown the agent's prompt")
-    play.add_argument("env", help="built-in env name or package.module:Class")
+    play.add_argument("env", nargs="?", help="built-in env name or package.module:Class")
+    play.add_argument("--model", help="a model folder (checkpoint, raygent sft output): play its agent card's env")
     play.add_argument("--seed", type=int, default=0)
     play.add_argument("--memory", default="simple", help=f"memory module: {sorted(memory.MEMORIES)} or import path")
     play.set_defaults(func=_cmd_play)
+
+    ev = sub.add_parser(
+        "eval", help="evaluate a trained agent on its env's held-out splits; writes a JSON report",
+        description="Plays the held-out seeds of the model folder's agent card (the env, memory, prompt and "
+                    "sampling it was trained with) in this process, as training's validation does: per split the "
+                    "success rate, return, valid actions, pass@k over --samples, per-task numbers (ALFWorld) and "
+                    "the score (WebShop), and every episode with its seeds.")
+    ev.add_argument("--checkpoint", required=True, help="a model folder: runs/<run>/checkpoints/iter_N/model, a "
+                                                        "raygent sft output, or any HF folder with --env")
+    ev.add_argument("--split", help="held-out split(s) of the env, comma-separated, or all (default)")
+    ev.add_argument("--seeds", type=int, default=64, help="held-out seeds (the run's own validation seeds)")
+    ev.add_argument("--samples", type=int, default=1, help="episodes per seed (pass@k for k up to this)")
+    ev.add_argument("--temperature", type=float, help="default: the card's validation temperature")
+    ev.add_argument("--engine", default="auto", choices=["auto", "vllm", "hf"])
+    ev.add_argument("--env", help="the env of a folder without an agent card")
+    ev.add_argument("--env-kwargs", help="env kwargs on top of the card's, as JSON")
+    ev.add_argument("--max-steps", type=int, help="episode step limit (default: the env's)")
+    ev.add_argument("--out", help="report path (default: <checkpoint>/eval.json)")
+    ev.set_defaults(func=_cmd_eval)
 
     sft = sub.add_parser(
         "sft", help="supervised warm start on the env's expert (planner) actions; writes an HF model folder",

@@ -64,25 +64,28 @@ CORPUS_ENVS = ("sokoban", "treasure_hunt", "numberline", "ezpoints", "points24",
 
 
 def tokenizer_corpus(seeds: int = 40) -> list[str]:
-    """Prompts and replies of the core built-in envs, as the agent sees them: the tokenizer learns this text."""
+    """Prompts and replies of the core built-in envs, as the agent sees them (the episode runner, the paper's
+    SimpleMemory k=2, the expert's action or else the first admissible one): the tokenizer learns this text. The
+    default model's cache key does not cover it, so it must stay byte-identical (tests/test_default_model.py)."""
     import envs
     import memory
+    from actors.episodes import play, run_sync, scripted_decider
 
-    texts = []
-    for name in CORPUS_ENVS:
-        env = envs.make(name)
-        for seed in range(seeds):
-            mem = memory.make("simple", k=2)
-            observation, info = env.reset(seed=seed)
-            for _ in range(env.max_steps):
-                action = env.expert_action() or info["admissible_actions"][0]
-                texts.append(env.build_prompt(observation, mem.render()))
-                texts.append(f"<action>{action}</action>")
-                next_observation, reward, terminated, truncated, info = env.step(f"<action>{action}</action>")
-                mem.store(observation, info.get("action"), reward, info)
-                observation = next_observation
-                if terminated or truncated:
-                    break
+    texts: list[str] = []
+
+    def choose(turn) -> str:
+        action = turn.env.expert_action() or turn.info["admissible_actions"][0]
+        texts.append(turn.prompt_text)
+        texts.append(f"<action>{action}</action>")
+        return texts[-1]
+
+    async def play_corpus() -> None:
+        for name in CORPUS_ENVS:
+            env = envs.make(name)
+            for seed in range(seeds):
+                await play(env, memory.make("simple", k=2), scripted_decider(choose), seed=seed)
+
+    run_sync(play_corpus())
     return texts
 
 

@@ -67,13 +67,31 @@ def make_engine(engine: EngineName, model_path: str, **kwargs: Any) -> Engine:
     raise ValueError(f"unknown engine {engine!r}; allowed: auto, vllm, hf")
 
 
+def completion_reply(c: Completion, version: int = 0) -> dict[str, Any]:
+    """A completion as the policy deployment returns it (what the episode runner reads)."""
+    return {"text": c.text, "token_ids": c.token_ids, "logprobs": c.logprobs, "finish_reason": c.finish_reason,
+            "prompt_token_ids": c.prompt_token_ids, "weight_version": version}
+
+
+def in_process_send(engine: Engine):
+    """A `send(prompts, samplings)` coroutine over an engine in this process (for `Coalescer`): `raygent sft` and
+    `raygent eval` play episodes through the engine the way env-group actors play them through the policy."""
+
+    async def send(prompts: list[list[int]], samplings: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        params = [SamplingConfig.model_validate(s) for s in samplings]
+        return [completion_reply(c) for c in engine.generate(prompts, params)]
+
+    return send
+
+
 def _cut_at_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:
     cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
     return (text[:cut], True) if cut >= 0 else (text, False)
 
 
 class HFEngine:
-    """transformers fallback: batched `generate` on one process, same outputs as the vLLM engine."""
+    """transformers fallback: a batched decode loop (KV cache) on one process, the same outputs as the vLLM engine:
+    greedy replies match it token for token, sampled ones follow the same per-request settings."""
 
     name = "hf"
 
@@ -107,59 +125,72 @@ class HFEngine:
         return eos
 
     def generate(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingConfig]) -> list[Completion]:
-        results: list[Completion | None] = [None] * len(prompts)
-        # One `generate` call per distinct sampling setting (they are usually all equal in RL rollouts).
-        by_params: dict[SamplingConfig, list[int]] = {}
-        for i, p in enumerate(params):
-            by_params.setdefault(p, []).append(i)
-        for p, idx in by_params.items():
-            # A seed belongs to one request (as in vLLM): seeded requests are sampled one by one so that a reply
-            # does not depend on what else shared its batch.
-            chunks = [[i] for i in idx] if p.seed is not None else [idx]
-            for chunk in chunks:
-                for i, c in zip(chunk, self._generate_same_params([prompts[i] for i in chunk], p), strict=True):
-                    results[i] = c
-        return results  # type: ignore[return-value]
-
-    def _generate_same_params(self, prompts: list[Sequence[int]], p: SamplingConfig) -> list[Completion]:
+        """One batched decode for all prompts, each row with its own sampling settings: temperature (0 = greedy),
+        top-p, max_tokens, stop strings, and a seed that gives the row its own random stream (as in vLLM), so a
+        seeded reply does not depend on what else shares the batch."""
         torch = self.torch
+        n = len(prompts)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[0]
         width = max(len(x) for x in prompts)
-        input_ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+        input_ids = torch.full((n, width), pad, dtype=torch.long)
         attention = torch.zeros_like(input_ids)
         for row, ids in enumerate(prompts):  # left padding: the last prompt token sits at the same column for all
             input_ids[row, width - len(ids):] = torch.tensor(list(ids), dtype=torch.long)
             attention[row, width - len(ids):] = 1
-        if p.seed is not None:
-            torch.manual_seed(p.seed)
-        sample = p.temperature > 0
+        generators = [None if p.seed is None else torch.Generator(device=self.device).manual_seed(int(p.seed))
+                      for p in params]
+        eos = set(self.eos_ids)
+        tokens: list[list[int]] = [[] for _ in range(n)]
+        logprobs: list[list[float]] = [[] for _ in range(n)]
+        finish = ["length"] * n
+        live = list(range(n))
+        ids, mask = input_ids.to(self.device), attention.to(self.device)
+        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+        past = None
         with torch.no_grad():
-            out = self.model.generate(
-                input_ids=input_ids.to(self.device), attention_mask=attention.to(self.device),
-                max_new_tokens=p.max_tokens, do_sample=sample, temperature=p.temperature if sample else None,
-                top_p=p.top_p if sample else None, top_k=0 if sample else None,
-                eos_token_id=self.eos_ids, pad_token_id=pad,
-                stop_strings=list(p.stop) or None, tokenizer=self.tokenizer if p.stop else None,
-                output_logits=True, return_dict_in_generate=True,
-            )
-        new_tokens = out.sequences[:, width:].cpu()
-        # Raw logits -> log-probs of the sampled tokens: the policy's own distribution, like vLLM's raw_logprobs.
-        logits = torch.stack(out.logits, dim=1).float().cpu()
-        token_logprobs = torch.log_softmax(logits, dim=-1).gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
-        completions = []
-        for row in range(len(prompts)):
-            ids = new_tokens[row].tolist()
-            n = len(ids)
-            finish = "length"
-            for j, t in enumerate(ids):
-                if t in self.eos_ids:
-                    n, finish = j + 1, "stop"
+            for _ in range(max(p.max_tokens for p in params)):
+                out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=past,
+                                 use_cache=True)
+                past = out.past_key_values
+                logits = out.logits[:, -1, :].float()
+                # the raw model distribution's log-probs (before temperature / top-p), like vLLM's raw_logprobs
+                raw = torch.log_softmax(logits, dim=-1)
+                chosen = torch.full((n,), pad, dtype=torch.long)
+                for row in live:
+                    token = self._sample(logits[row], params[row], generators[row])
+                    chosen[row] = token
+                    tokens[row].append(token)
+                    logprobs[row].append(float(raw[row, token]))
+                    if token in eos:
+                        finish[row] = "stop"
+                    elif params[row].stop and _cut_at_stop(self._decode(tokens[row]), params[row].stop)[1]:
+                        finish[row] = "stop"
+                live = [r for r in live if finish[r] == "length" and len(tokens[r]) < params[r].max_tokens]
+                if not live:
                     break
-            text = self.tokenizer.decode(ids[:n], skip_special_tokens=True)
-            text, stopped = _cut_at_stop(text, p.stop)
-            completions.append(Completion(text, ids[:n], token_logprobs[row, :n].tolist(),
-                                          "stop" if stopped else finish, list(prompts[row])))
+                ids = chosen[:, None].to(self.device)
+                mask = torch.cat([mask, torch.ones((n, 1), dtype=mask.dtype, device=mask.device)], dim=1)
+                positions = positions[:, -1:] + 1
+        completions = []
+        for row in range(n):
+            text, stopped = _cut_at_stop(self._decode(tokens[row]), params[row].stop)
+            completions.append(Completion(text, tokens[row], logprobs[row], "stop" if stopped else finish[row],
+                                          list(prompts[row])))
         return completions
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _sample(self, logits, p: SamplingConfig, generator) -> int:
+        torch = self.torch
+        if p.temperature == 0:
+            return int(torch.argmax(logits))
+        probs = torch.softmax(logits / p.temperature, dim=-1)
+        if p.top_p < 1.0:  # nucleus: the smallest set of tokens whose probability reaches top_p
+            sorted_probs, order = torch.sort(probs, descending=True)
+            keep = sorted_probs.cumsum(0) - sorted_probs < p.top_p
+            probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
+        return int(torch.multinomial(probs, 1, generator=generator))
 
     def load_weights(self, state_dict: dict[str, np.ndarray]) -> None:
         """On CPU, arrays of the model's dtype are not copied: the parameters become read-only views of the arrays

@@ -17,8 +17,10 @@ from pydantic import ValidationError
 from ray import serve
 
 from actors.config import PolicyConfig, SamplingConfig
+from actors.metrics import quiet_frameworks
+from actors.prompting import encode_chat
 from app.default_model import resolve_model
-from app.engines import Completion, make_engine
+from app.engines import Completion, completion_reply, make_engine
 
 logger = logging.getLogger("ray.serve")
 
@@ -27,6 +29,7 @@ logger = logging.getLogger("ray.serve")
 class Policy:
     def __init__(self, config: dict[str, Any] | PolicyConfig | None = None):
         self.config = PolicyConfig.model_validate(config or {})
+        quiet_frameworks(self.config.log_level)
         self.model_path = resolve_model(self.config.model)
         self.engine = make_engine(
             self.config.engine, self.model_path, dtype=self.config.dtype, max_model_len=self.config.max_model_len,
@@ -48,8 +51,7 @@ class Policy:
 
     # ---- generation -------------------------------------------------------------------------------------------
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return encode_chat(self.tokenizer, messages)
 
     def encode_text(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
@@ -66,11 +68,8 @@ class Policy:
         return [self._reply(c, version, seconds, len(items)) for c in completions]
 
     def _reply(self, c: Completion, version: int, seconds: float, batch: int) -> dict[str, Any]:
-        return {
-            "text": c.text, "token_ids": c.token_ids, "logprobs": c.logprobs, "finish_reason": c.finish_reason,
-            "prompt_token_ids": c.prompt_token_ids, "weight_version": version, "replica_id": self.replica_id,
-            "engine_seconds": seconds, "batch_size": batch,
-        }
+        return {**completion_reply(c, version), "replica_id": self.replica_id, "engine_seconds": seconds,
+                "batch_size": batch}
 
     def _check_length(self, ids: list[int], params: SamplingConfig) -> None:
         if len(ids) + params.max_tokens > self.config.max_model_len:
@@ -80,17 +79,23 @@ class Policy:
             raise ValueError("empty prompt")
 
     async def generate(self, prompts: list[list[int]] | list[str] | list[list[dict[str, str]]],
-                       sampling: dict[str, Any] | SamplingConfig | None = None) -> list[dict[str, Any]]:
+                       sampling: dict[str, Any] | SamplingConfig | list[dict[str, Any]] | None = None
+                       ) -> list[dict[str, Any]]:
         """Generate one reply per prompt. A prompt is token ids, a raw text, or a chat (list of messages, formatted
-        with the model's chat template). Concurrent callers are batched together into one engine call."""
+        with the model's chat template); `sampling` is one setting for all, or a list with one per prompt (e.g. a
+        seed each). Concurrent callers are batched together into one engine call."""
+        given = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
+        if len(given) != len(prompts):
+            raise ValueError(f"{len(given)} sampling settings for {len(prompts)} prompts")
         try:
-            params = sampling if isinstance(sampling, SamplingConfig) else SamplingConfig.model_validate(sampling or {})
+            params = [s if isinstance(s, SamplingConfig) else SamplingConfig.model_validate(s or {}) for s in given]
         except ValidationError as e:  # re-raised as a plain ValueError: it crosses Ray with its type intact
             raise ValueError(f"invalid sampling settings: {e}") from None
         encoded = [self._encode(p) for p in prompts]
-        for ids in encoded:
-            self._check_length(ids, params)
-        return list(await asyncio.gather(*(self._generate_batch((ids, params)) for ids in encoded)))
+        for ids, p in zip(encoded, params, strict=True):
+            self._check_length(ids, p)
+        return list(await asyncio.gather(*(self._generate_batch((ids, p))
+                                           for ids, p in zip(encoded, params, strict=True))))
 
     def _encode(self, prompt: list[int] | str | list[dict[str, str]]) -> list[int]:
         if isinstance(prompt, str):

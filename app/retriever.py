@@ -10,7 +10,7 @@ to the deployment and is a drop-in `retriever` for the search env:
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Literal
+from typing import Any
 
 from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field
@@ -18,25 +18,8 @@ from ray import serve
 from ray.serve import Application
 from ray.serve.handle import DeploymentHandle
 
+from actors.config import RetrieverConfig
 from envs import retrieval
-
-
-class RetrieverConfig(BaseModel):
-    """Args of `serve_configs/retriever.yaml`."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    backend: Literal["bm25", "dense"] = "bm25"
-    corpus: str = Field("builtin", description='"builtin" (the search env\'s synthetic encyclopedia, built from '
-                                               "corpus_seed) or a JSONL file with \"contents\" or \"title\"/\"text\"")
-    corpus_seed: int = 0
-    top_k: int = Field(3, ge=1, le=100, description="k when a request gives none")
-    max_k: int = Field(20, ge=1, le=1000)
-    max_queries: int = Field(64, ge=1, description="most queries in one request")
-    max_query_chars: int = Field(1000, ge=1)
-    max_batch_size: int = Field(32, ge=1, description="queries grouped into one index lookup")
-    batch_wait_timeout_s: float = Field(0.01, ge=0)
-    model_path: str | None = Field(None, description="dense only: embedding model folder (default all-MiniLM-L6-v2)")
 
 
 class RetrieveRequest(BaseModel):

@@ -6,12 +6,13 @@ It reads the same training config as `serve run serve_configs/train.yaml` (polic
 loss and its micro-batched backward from `actors.learner`, and the held-out seeds of the controller's validation.
 Every `eval_every` steps it plays the validation seeds (at `validation.temperature`) and prints one line; it stops after `steps` or once
 held-out success reaches `target_success`, and writes an HF folder (safetensors, config, tokenizer with its chat
-template) atomically. That folder works as `policy.model` of a training run (with `warm_start.enabled: false`).
+template, and `raygent_agent.json`: the env, memory, prompt and sampling it was trained for) atomically. That folder
+works as `policy.model` of a training run (with `warm_start.enabled: false`), of the agent endpoint, and of
+`raygent eval`.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -103,68 +104,41 @@ def _check_out_dir(out: Path) -> None:
         raise ValueError(f"refusing to replace {out}: it exists and is not a model folder; pick another --out")
 
 
-# ---- held-out evaluation ---------------------------------------------------------------------------------------
-def play_episodes(cfg: TrainConfig, seeds: Sequence[int], tokenizer: Any,
-                  reply: Callable[[list[list[int]]], list[str]]) -> dict[str, float]:
-    """One episode per seed in this process, every live env's prompt answered in one `reply` call per step,
-    prompts built as in training. A prompt longer than max_model_len ends its episode unwon, as in the rollouts."""
-    from actors.prompting import encode_prompt
-
-    games = [envs.make(cfg.env.name, **cfg.env_kwargs) for _ in seeds]
-    mems = [memory.make(cfg.memory.name, **cfg.memory.kwargs) for _ in seeds]
-    observations = [env.reset(seed=int(s))[0] for env, s in zip(games, seeds, strict=True)]
-    done = np.zeros(len(games), dtype=bool)
-    won = np.zeros(len(games), dtype=bool)
-    returns = np.zeros(len(games))
-    steps = valid = too_long = 0
-    while not done.all():
-        live = [int(i) for i in np.flatnonzero(~done)]
-        prompts = {i: encode_prompt(tokenizer, games[i], observations[i], mems[i].render()) for i in live}
-        for i in live:
-            if len(prompts[i]) + cfg.rollout.max_tokens > cfg.policy.max_model_len:
-                done[i] = True
-                too_long += 1
-        live = [i for i in live if not done[i]]
-        if not live:
-            break
-        for i, text in zip(live, reply([prompts[i] for i in live]), strict=True):
-            observation, reward, terminated, truncated, info = games[i].step(text)
-            mems[i].store(observations[i], info.get("action"), reward, info)
-            observations[i] = observation
-            returns[i] += reward
-            steps += 1
-            valid += bool(info["is_action_valid"])
-            won[i] |= bool(info.get("won", False))
-            done[i] = terminated or truncated
-    return {"success_rate": float(won.mean()), "won": int(won.sum()), "episodes": len(games),
-            "return": float(returns.mean()), "valid_action_ratio": valid / max(1, steps), "steps": steps,
-            "prompt_too_long": too_long}
-
-
-def evaluate(model: Any, tokenizer: Any, cfg: TrainConfig, seeds: Sequence[int], device: Any) -> dict[str, float]:
-    """The held-out seeds played at `validation.temperature` (as the training app validates), through the same
-    transformers engine the policy deployment falls back to."""
-    import torch
-
-    from app.engines import HFEngine, SamplingConfig
+# ---- held-out evaluation ----------------------------------------------------------------------------------------
+def evaluate(model: Any, tokenizer: Any, cfg: TrainConfig, seeds: Sequence[int], device: Any) -> dict[str, Any]:
+    """The held-out seeds played as the training app validates them (`actors.evaluation.play_heldout`: the held-out
+    split, `validation.samples` per seed, `validation.temperature`, the same sampling seeds), through the
+    transformers engine the policy deployment falls back to, in this process."""
+    from actors.episodes import Coalescer, run_sync
+    from actors.evaluation import play_heldout, summarize
+    from app.engines import HFEngine, in_process_send
 
     engine = HFEngine.from_model(model, tokenizer, device)
-    params = SamplingConfig(temperature=cfg.validation.temperature, max_tokens=cfg.rollout.max_tokens)
+    coalescer = Coalescer(in_process_send(engine))
+    val_kwargs = cfg.validation_env_kwargs
+    sampling = {"temperature": cfg.validation.temperature, "top_p": cfg.rollout.top_p,
+                "max_tokens": cfg.rollout.max_tokens}
     was_training = model.training
     model.eval()
-    torch.manual_seed(cfg.seed)  # the same sampled evaluation for the same weights
     try:
-        return play_episodes(cfg, seeds, tokenizer,
-                             lambda prompts: [c.text for c in engine.generate(prompts, [params] * len(prompts))])
+        results = run_sync(play_heldout(
+            lambda i: envs.make(cfg.env.name, **val_kwargs), lambda: memory.make(cfg.memory.name, **cfg.memory.kwargs),
+            tokenizer, coalescer.generate, seeds, samples=cfg.validation.samples, sampling=sampling,
+            max_model_len=cfg.policy.max_model_len, run_seed=cfg.seed))
     finally:
         if was_training:
             model.train()
+    report = summarize(results)
+    report["won"] = sum(r["won"] for r in results)
+    return report
 
 
 # ---- output ----------------------------------------------------------------------------------------------------
-def save_model_folder(model: Any, tokenizer: Any, out: Path, extra: dict[str, Any]) -> Path:
-    """An HF folder written into a temp folder beside `out`, then renamed into place (a previous model folder at
-    `out` is replaced only once the new one is complete)."""
+def save_model_folder(model: Any, tokenizer: Any, out: Path, card: Any) -> Path:
+    """An HF folder with its agent card, written into a temp folder beside `out`, then renamed into place (a previous
+    model folder at `out` is replaced only once the new one is complete)."""
+    from actors.checkpoint import write_agent_card
+
     out = out.resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
     _check_out_dir(out)
@@ -174,7 +148,7 @@ def save_model_folder(model: Any, tokenizer: Any, out: Path, extra: dict[str, An
         tmp.chmod(0o755)  # mkdtemp makes it private; a model folder is meant to be read by other users and tools
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        (tmp / "raygent_sft.json").write_text(json.dumps(extra, indent=2, default=str))
+        write_agent_card(tmp, card)
         for f in tmp.iterdir():
             f.chmod(0o644)
         if out.exists():
@@ -261,12 +235,11 @@ def train_sft(cfg: TrainConfig, out: str | Path | None = None, device: str = "au
         if val["success_rate"] >= ws.target_success:
             break
 
-    summary = {"env": cfg.env.name, "env_kwargs": cfg.env_kwargs, "memory": cfg.memory.model_dump(),
-               "base_model": cfg.policy.model, "seed": cfg.seed, "warm_start": ws.model_dump(), "steps": done,
+    summary = {"base_model": cfg.policy.model, "warm_start": ws.model_dump(), "steps": done,
                "demonstration_steps": n, "first_loss": first_loss, "last_loss": history[-1]["loss"],
                "final_success": history[-1]["val/success_rate"], "s_per_step": train_s / done,
                "demo_s": demo_s, "history": history}
-    path = save_model_folder(model, tokenizer, out_dir, summary)
+    path = save_model_folder(model, tokenizer, out_dir, cfg.agent_card(sft=summary))
     summary["out"] = str(path)
     log(f"wrote {path} ({done} steps, held-out success {100 * summary['final_success']:.1f}%); use it as "
         f"policy.model of a training run with warm_start.enabled: false")

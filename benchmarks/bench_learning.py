@@ -273,7 +273,12 @@ def compare(args: argparse.Namespace, overrides: dict[str, Any]) -> None:
                          "algorithm.estimator": spec["estimator"], "algorithm.params": spec["params"],
                          "seed": seed, "iterations": args.iterations, "checkpoint.every": 0}
         print(f"{name}, seed {seed}: {args.iterations} iterations", flush=True)
-        records, run = run_training(args.config, f"{name}-s{seed}", run_overrides, 1e6, work)
+        try:
+            records, run = run_training(args.config, f"{name}-s{seed}", run_overrides, 1e6, work)
+        except RuntimeError as e:  # e.g. the local cluster failed to start on a busy machine: one more try
+            print(f"  run failed ({str(e).splitlines()[0]}); retrying once", flush=True)
+            time.sleep(30)
+            records, run = run_training(args.config, f"{name}-s{seed}", run_overrides, 1e6, work)
         curve = run_curve(records)
         runs[name].append({"seed": seed, "run": run, "curve": curve, **run_facts(curve),
                            "random_policy_success": summarize(records)["random_policy_success"]})

@@ -31,10 +31,11 @@ sys.path.insert(0, str(REPO_ROOT))
 import envs  # noqa: E402
 import memory  # noqa: E402
 from actors.config import TrainConfig  # noqa: E402
+from actors.episodes import Coalescer, play_all, policy_decider, run_sync  # noqa: E402
 from actors.prompting import encode_prompt  # noqa: E402
 from app.default_model import resolve_model  # noqa: E402
-from app.engines import SamplingConfig, make_engine  # noqa: E402
-from app.sft import build_config, play_episodes  # noqa: E402
+from app.engines import in_process_send, make_engine  # noqa: E402
+from app.sft import build_config  # noqa: E402
 
 RESULTS = REPO_ROOT / "benchmarks" / "results"
 
@@ -48,19 +49,28 @@ def seeds_for(cfg: TrainConfig, n_groups: int) -> np.ndarray:
 
 
 def single_process(cfg: TrainConfig, model_path: str, n_groups: int, repeats: int) -> dict[str, Any]:
-    """The baseline: one process, the same engine, every live env's prompt in one batched generate per step."""
+    """The baseline: one process, the same engine and the same episode runner (every env its own coroutine, the
+    prompts waiting at one moment batched into one engine call), no actors and no Serve."""
     engine = make_engine(cfg.policy.engine, model_path, max_model_len=cfg.policy.max_model_len)
-    params = SamplingConfig(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                            max_tokens=cfg.rollout.max_tokens)
+    sampling = {"temperature": cfg.rollout.temperature, "top_p": cfg.rollout.top_p,
+                "max_tokens": cfg.rollout.max_tokens}
     seeds = np.repeat(seeds_for(cfg, n_groups), cfg.rollout.group_size)  # a group's members share its seed
 
-    def reply(prompts: list[list[int]]) -> list[str]:
-        return [c.text for c in engine.generate(prompts, [params] * len(prompts))]
+    def episodes():
+        coalescer = Coalescer(in_process_send(engine))
+
+        def make(i: int):
+            decide = policy_decider(engine.tokenizer, coalescer.generate, sampling,
+                                    max_model_len=cfg.policy.max_model_len, sampling_seed=i)
+            return (envs.make(cfg.env.name, **cfg.env_kwargs), memory.make(cfg.memory.name, **cfg.memory.kwargs),
+                    decide, int(seeds[i]), i)
+
+        return run_sync(play_all(make, len(seeds)))
 
     rates = []
     for repeat in range(repeats + 1):  # the first round warms the engine up
         started = time.perf_counter()
-        steps = play_episodes(cfg, seeds, engine.tokenizer, reply)["steps"]
+        steps = sum(len(e.steps) for e in episodes())
         if repeat:
             rates.append(steps / (time.perf_counter() - started))
     return {"env_steps_per_s": statistics.median(rates), "runs": rates}
@@ -88,7 +98,8 @@ def actor_system(ray, cfg: TrainConfig, model_path: str, n_groups: int, actors: 
     async def one_round() -> tuple[int, float]:
         started = time.perf_counter()
         calls = [a.rollout.remote(seeds[s].tolist(), cfg.rollout.group_size, int(s[0]), sampling,
-                                  cfg.rollout.requests_per_step) for a, s in zip(env_actors, slices, strict=False)]
+                                  cfg.rollout.requests_per_step, cfg.seed, 0)
+                 for a, s in zip(env_actors, slices, strict=False)]
         metrics = await asyncio.gather(*(m for _, m in calls))
         return sum(m["steps"] for m in metrics), time.perf_counter() - started
 

@@ -274,6 +274,8 @@ class AlfWorld(TextEnv):
     example_action = "go to countertop 1"
     max_steps = 50
     invalid_reward = 0.0
+    # ALFWorld's own held-out splits: seen floor plans, and floor plans training never visits
+    heldout_splits = {"valid_seen": {"split": "valid_seen"}, "valid_unseen": {"split": "valid_unseen"}}
 
     def __init__(
         self,

@@ -45,6 +45,21 @@ def parse_action(reply: str) -> str | None:
     return reply[opened.end() : closed.start()].strip()
 
 
+POOL_SPLITS = ("train", "test", "all")
+TEST_EVERY = 10  # every 10th item of a data pool is held out
+
+
+def split_pool(items: list, split: str) -> list:
+    """The part of a data pool (questions, goals, problems) a split draws from: "test" is every 10th item, "train"
+    the rest, "all" everything; disjoint, and the same in every process."""
+    if split not in POOL_SPLITS:
+        raise ValueError(f"split must be one of {POOL_SPLITS}, got {split!r}")
+    if split == "all" or len(items) < 2:
+        return items
+    held_out = split == "test"
+    return [x for i, x in enumerate(items) if (i % TEST_EVERY == 0) == held_out]
+
+
 class Outcome(NamedTuple):
     """What one valid action did: the reward, whether the episode ended, whether it was won, and an optional
     milestone sentence (`key_event`) that memory modules may show the agent later."""
@@ -70,6 +85,10 @@ class TextEnv(gym.Env[str, str]):
     example_action: ClassVar[str] = "up"
     max_steps: int = 15
     invalid_reward: ClassVar[float] = 0.0
+    # Held-out splits for evaluation: name -> the env kwargs that select it. Procedurally generated envs need none:
+    # validation seeds are odd and training seeds even, so no initial state is shared (`envs.group_seeds`). Envs that
+    # draw from a data pool (questions, goals, games) select a held-out part of it.
+    heldout_splits: ClassVar[dict[str, dict[str, Any]]] = {"val": {}}
 
     # Prompt pieces are class-level format strings so an env (or a user subclass) can restyle its prompt.
     prompt_template: ClassVar[str] = (
@@ -138,6 +157,11 @@ class TextEnv(gym.Env[str, str]):
         truncated = not outcome.terminated and self._steps >= self.max_steps
         info = self._info(action=action, valid=action is not None, key_event=outcome.key_event)
         return self._observe(), float(outcome.reward), outcome.terminated, truncated, info
+
+    async def astep(self, reply: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        """`step` for an event loop (the episode runner awaits this): envs that wait on a remote service during a
+        step (a retrieval server, a tool server) override it so the wait does not block the other episodes."""
+        return self.step(reply)
 
     def render(self) -> str:
         return self._observe()

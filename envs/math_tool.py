@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from envs.base import Outcome, TextEnv
+from envs.base import Outcome, TextEnv, split_pool
 from envs.data import clip, squash, to_charset
 from envs.data.arithmetic import Problem, generate_problem, load_gsm8k, parse_number
 from envs.tools import Tool, ToolCall, ToolError, ToolRegistry, find_tagged, parse_call, render_call
@@ -47,10 +47,15 @@ class MathTool(TextEnv):
         "<answer>number</answer> (an <action></action> wrapper around either is optional), e.g. {example}"
     )
 
+    # Generated problems are held out by seed parity; a data file's problems by `split` (every 10th is "test").
+    heldout_splits = {"test": {"split": "test"}}
+
     def __init__(self, data: str | None = None, tools: tuple[str | Tool, ...] | list[str | Tool] = ("calculator",),
-                 max_steps: int | None = None, max_output_chars: int = 600, registry: ToolRegistry | None = None):
+                 max_steps: int | None = None, max_output_chars: int = 600, registry: ToolRegistry | None = None,
+                 split: str = "train"):
+        split_pool([], split)  # a bad split name fails here
         super().__init__(max_steps=max_steps, max_obs_chars=2048 + max_output_chars)
-        self.data = data
+        self.data, self.split = data, split
         self.registry = registry or ToolRegistry(tools)
         self.max_output_chars = max_output_chars
         self.problem = Problem("", 0)
@@ -60,7 +65,7 @@ class MathTool(TextEnv):
 
     def _new_episode(self, options: dict[str, Any] | None) -> None:
         if self.data:
-            problems = _problems(str(self.data))
+            problems = split_pool(_problems(str(self.data)), self.split)
             self.problem = problems[int(self.np_random.integers(len(problems)))]
         else:
             self.problem = generate_problem(self.np_random)

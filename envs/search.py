@@ -7,8 +7,10 @@ golden answer after SQuAD-style normalisation (lower case, no punctuation or art
 
 Data: a built-in synthetic encyclopedia (`envs.data.encyclopedia`: invented people, cities, countries and companies
 with 1-hop and 2-hop questions), or your own corpus (JSONL with "contents", or "title" and "text") and questions
-(JSONL with "question" and "golden_answers" or "answer"). The retriever is local ("bm25", "dense") or any object with
-``search(queries, k)``, such as a client of the Ray Serve retrieval server (`app/retriever.py`).
+(JSONL with "question" and "golden_answers" or "answer"). The retriever is local ("bm25", "dense"), any object with
+``search(queries, k)``, or "serve": the training config's Retriever deployment, whose async client the env-group
+actor hands the env (`set_retriever`; the episode runner's `astep` awaits it). A failed search is an observation
+("search failed") and `info["env_error"]`, which the run counts: never a crash, never silent.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import string
 from collections import Counter
 from typing import Any
 
-from envs.base import Outcome, TextEnv
+from envs.base import Outcome, TextEnv, split_pool
 from envs.data import clip, squash, to_charset
 from envs.data.encyclopedia import Question, build_encyclopedia, load_qa
 from envs.retrieval import Retriever, build_retriever, load_corpus
@@ -75,22 +77,28 @@ class SearchEnv(TextEnv):
         "<action></action> wrapper around either is optional), e.g. {example}"
     )
 
+    heldout_splits = {"test": {"split": "test"}}
+
     def __init__(self, retriever: str | Retriever = "bm25", corpus: str = "builtin", qa: str | None = None,
                  data_seed: int = 0, top_k: int = 3, reward: str = "em", max_steps: int | None = None,
-                 max_passage_chars: int = 400, max_query_chars: int = 200):
+                 max_passage_chars: int = 400, max_query_chars: int = 200, split: str = "train"):
         if reward not in ("em", "f1"):
             raise ValueError(f"reward must be 'em' or 'f1', got {reward!r}")
         if corpus != "builtin" and qa is None:
             raise ValueError("a custom corpus needs its questions too: pass qa='path/to/questions.jsonl'")
-        if isinstance(retriever, str) and retriever not in ("bm25", "dense"):
-            raise ValueError(f"retriever must be 'bm25', 'dense' or an object with .search(queries, k); got {retriever!r}")
+        if isinstance(retriever, str) and retriever not in ("bm25", "dense", "serve"):
+            raise ValueError(f"retriever must be 'bm25', 'dense', 'serve' or an object with .search(queries, k); "
+                             f"got {retriever!r}")
         if top_k < 1:
             raise ValueError(f"top_k must be >= 1, got {top_k}")
+        split_pool([], split)  # a bad split name fails here
         super().__init__(max_steps=max_steps, max_obs_chars=1024 + top_k * (max_passage_chars + 16))
         self.retriever_spec, self.corpus, self.qa, self.data_seed = retriever, corpus, qa, data_seed
-        self.top_k, self.reward_kind = top_k, reward
+        self.top_k, self.reward_kind, self.split = top_k, reward, split
         self.max_passage_chars, self.max_query_chars = max_passage_chars, max_query_chars
         self._retriever: Retriever | None = None if isinstance(retriever, str) else build_retriever(retriever, [])
+        self._error: str | None = None  # this step's retriever failure, if any
+        self._prefetched: tuple[list[str], str | None] | None = None  # astep's search: (results, error)
         self._questions: list[Question] | None = None
         self.question = Question("", ("",))
         self._query: str | None = None
@@ -101,14 +109,22 @@ class SearchEnv(TextEnv):
     @property
     def questions(self) -> list[Question]:
         if self._questions is None:
-            self._questions = load_qa(self.qa) if self.qa else build_encyclopedia(self.data_seed).questions
+            pool = load_qa(self.qa) if self.qa else build_encyclopedia(self.data_seed).questions
+            self._questions = split_pool(pool, self.split)  # "train" never sees a "test" question
         return self._questions
 
     @property
     def retriever(self) -> Retriever:
         if self._retriever is None:
+            if self.retriever_spec == "serve":
+                raise RuntimeError("retriever 'serve' needs the retriever deployment: add a `retriever:` section to "
+                                   "the training (or agent) config")
             self._retriever = _local_retriever(str(self.retriever_spec), self.corpus, self.data_seed)
         return self._retriever
+
+    def set_retriever(self, retriever: Any) -> None:
+        """Use `retriever` (``search(queries, k)``, or ``async asearch(queries, k)`` for `astep`)."""
+        self._retriever = retriever
 
     # ---- hooks ----------------------------------------------------------------------------------------------------
     def _new_episode(self, options: dict[str, Any] | None) -> None:
@@ -145,18 +161,42 @@ class SearchEnv(TextEnv):
         if tag == "search":
             self._searches += 1
             self._query = text
-            try:
-                self._results = list(self.retriever.search([text], self.top_k)[0])[: self.top_k]
-            except Exception as err:  # a failing remote retriever is an observation, never a crash
-                self._results = [f"search failed: {type(err).__name__}"]
+            if self._prefetched is not None:  # astep searched already, without blocking the event loop
+                (self._results, self._error), self._prefetched = self._prefetched, None
+            else:
+                try:
+                    self._results = list(self.retriever.search([text], self.top_k)[0])[: self.top_k]
+                except Exception as err:  # a failing retriever is an observation and a counted error, not a crash
+                    self._fail(err)
             return Outcome(0.0)
         won = exact_match(text, self.question.answers)
         reward = 1.0 if won else (token_f1(text, self.question.answers) if self.reward_kind == "f1" else 0.0)
         return Outcome(reward, terminated=True, won=won, key_event=f"answered {text!r}")
 
+    def _fail(self, err: BaseException) -> None:
+        self._results = [f"search failed: {type(err).__name__}"]
+        self._error = f"retriever: {type(err).__name__}: {err}"[:300]
+
+    async def astep(self, reply: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        """`step`, with the search of an async retriever (the Serve deployment's client) awaited first."""
+        action = self.match_action(reply)
+        asearch = getattr(self._retriever, "asearch", None)
+        if action is not None and action.startswith("<search>") and asearch is not None:
+            query = find_tagged(action, TAGS)[1]  # type: ignore[index]
+            try:
+                self._prefetched = (list((await asearch([query], self.top_k))[0])[: self.top_k], None)
+            except Exception as err:
+                self._fail(err)
+                self._prefetched = (self._results, self._error)
+        return self.step(reply)
+
     def step(self, reply: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
         searches = self._searches
+        self._error = None
         obs, reward, terminated, truncated, info = super().step(reply)
+        self._prefetched = None
+        if self._error is not None:
+            info["env_error"] = self._error
         if self._searches > searches:  # what SearchMemory shows of this turn
             info["query"], info["results"] = self._query, list(self._results)
         elif info["action"] is not None:

@@ -24,7 +24,7 @@ import os
 import re
 from typing import Any
 
-from envs.base import Outcome, TextEnv, parse_action
+from envs.base import Outcome, TextEnv, parse_action, split_pool
 from envs.data import clip, squash, to_charset
 from envs.data.catalog import Catalog, Goal, Product, load_webshop, synthetic_catalog
 from envs.retrieval import words
@@ -91,10 +91,14 @@ class WebShop(TextEnv):
     example_action = "search[red cotton t-shirt]"
     max_steps = 15
 
+    heldout_splits = {"test": {"goal_split": "test"}}
+
     def __init__(self, data: str | None = None, catalog: Catalog | None = None, num_products: int = 2000,
                  catalog_seed: int = 0, max_steps: int | None = None, max_obs_chars: int = 4096,
-                 max_query_chars: int = 200):
+                 max_query_chars: int = 200, goal_split: str = "train"):
+        split_pool([], goal_split)  # a bad split name fails here
         super().__init__(max_steps=max_steps, max_obs_chars=max_obs_chars)
+        self.goal_split = goal_split
         self.data = data if data is not None else os.environ.get(DATA_ENV) or None
         self.num_products, self.catalog_seed = num_products, catalog_seed
         self.max_query_chars = max_query_chars
@@ -116,7 +120,7 @@ class WebShop(TextEnv):
 
     # ---- hooks ----------------------------------------------------------------------------------------------------
     def _new_episode(self, options: dict[str, Any] | None) -> None:
-        goals = self.catalog.goals
+        goals = split_pool(self.catalog.goals, self.goal_split)  # "train" never sees a "test" goal
         self.goal = goals[int(self.np_random.integers(len(goals)))]
         self._page, self._query, self._results, self._page_no = "search", "", [], 1
         self._item, self._chosen, self._searches, self._score = None, {}, 0, None

@@ -100,12 +100,57 @@ def test_act_keeps_memory_per_session(client):
 
 
 def test_episode_plays_a_whole_episode(client):
-    r = client.post("/v1/episodes", json={"env": "sokoban", "seed": 5, "temperature": 1.0})
+    r = client.post("/v1/episodes", json={"env": "sokoban", "seed": 5, "temperature": 1.0, "sampling_seed": 7,
+                                          "return_tokens": True})
     assert r.status_code == 200, r.text
     body = r.json()
     assert 1 <= body["steps"] == len(body["trajectory"]) <= 15
     assert body["return"] == pytest.approx(sum(s["reward"] for s in body["trajectory"]))
     assert isinstance(body["won"], bool)
+    assert all(s["prompt_token_ids"] and s["response_token_ids"] for s in body["trajectory"])
+    again = client.post("/v1/episodes", json={"env": "sokoban", "seed": 5, "temperature": 1.0, "sampling_seed": 7,
+                                              "return_tokens": True}).json()
+    assert again["trajectory"] == body["trajectory"]  # the same env seed and sampling seed replay the episode
+
+
+def _expert_reply(env) -> str:
+    action = env.expert_action()
+    return action if action.startswith("<") else f"<action>{action}</action>"
+
+
+@pytest.mark.parametrize("env_name", ["webshop", "alfworld", "search", "math_tool"])
+def test_act_server_side_session_shows_the_states_actions_and_parses_with_the_env(client, env_name):
+    """A session started with a seed keeps its env on the server: each prompt lists the admissible actions of the
+    state the env is really in (webshop's clickables after a search, alfworld's commands), and a correct reply in
+    the env's own syntax (a search, a tool call, an answer, a click) is a valid action."""
+    import envs
+
+    local = envs.make(env_name)  # the same env, played alongside with the same seed and replies
+    local.reset(seed=3)
+    sid = None
+    for step in range(1, 4):
+        reply = _expert_reply(local)
+        body = {"env": env_name, "seed": 3, "reply": reply} if sid is None else {"session_id": sid, "reply": reply}
+        r = client.post("/v1/act", json=body)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        sid = out["session_id"]
+        assert out["step"] == step and out["valid"], out
+        assert out["admissible_actions"] == local.admissible_actions()
+        assert ", ".join(local.admissible_actions()) in out["prompt"]
+        _, reward, terminated, truncated, _ = local.step(reply)
+        assert out["reward"] == pytest.approx(reward) and out["done"] == (terminated or truncated)
+        if out["done"]:
+            break
+    # the policy can also decide (the untrained model's reply is whatever it is, parsed by the env); a page longer
+    # than the served model's context ends the episode with a 400 that says so, never a 500
+    if not out["done"]:
+        r = client.post("/v1/act", json={"session_id": sid, "max_tokens": 8})
+        if r.status_code == 200:
+            assert r.json()["step"] == step + 1 and isinstance(r.json()["valid"], bool)
+        else:
+            assert r.status_code == 400 and "max_model_len" in r.json()["error"]["message"], r.text
+    assert client.delete(f"/v1/act/{sid}").json()["deleted"]
 
 
 BAD_REQUESTS = [
@@ -123,8 +168,12 @@ BAD_REQUESTS = [
     ("POST", "/v1/chat/completions", {}, json.dumps(
         {"messages": [{"role": "user", "content": "word " * 3000}]}).encode(), 400, "max_model_len"),
     ("POST", "/v1/completions", {}, json.dumps({"prompt": ""}).encode(), 400, "prompt"),
-    ("POST", "/v1/act", {}, json.dumps({"env": "no-such-env", "observation": "x"}).encode(), 400, "unknown"),
-    ("POST", "/v1/act", {}, json.dumps({"env": "sokoban"}).encode(), 400, "observation"),
+    ("POST", "/v1/act", {}, json.dumps({"env": "no-such-env", "observation": "x"}).encode(), 400, "not served here"),
+    ("POST", "/v1/act", {}, json.dumps({"env": "sokoban"}).encode(), 400, "seed"),
+    ("POST", "/v1/act", {}, json.dumps({"env": "sokoban", "observation": "x", "env_kwargs": {"dim_room": [9, 9]}}
+                                       ).encode(), 400, "may not be set"),
+    ("POST", "/v1/episodes", {}, json.dumps({"env": "envs.sokoban:Sokoban"}).encode(), 400, "not served here"),
+    ("POST", "/v1/episodes", {}, json.dumps({"env": "sokoban", "split": "nope"}).encode(), 400, "held-out split"),
     ("POST", "/v1/episodes", {}, json.dumps({"env": "sokoban", "seed": "x"}).encode(), 400, "seed"),
     ("POST", "/v1/chat/completions", {}, b"x" * (70 * 1024), 413, "larger than"),
     ("POST", "/v1/chat/completions", {"Authorization": "Bearer wrong"}, b"{}", 401, "bearer token"),

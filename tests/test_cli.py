@@ -42,3 +42,32 @@ def test_play_unknown_env_is_a_clear_error():
     out = run("play", "no-such-env")
     assert out.returncode == 2
     assert "unknown" in out.stderr and "sokoban" in out.stderr
+
+
+def test_train_refuses_a_bad_config_before_starting_anything(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("applications:\n- name: train\n  import_path: app.train:build_train_app\n"
+                   "  args: {optim: {lr: -1}}\n")
+    out = run("train", str(bad))
+    assert out.returncode == 2 and "args.optim.lr" in out.stdout
+
+
+def test_eval_writes_a_report_per_split_with_pass_at_k(tmp_path):
+    """`raygent eval` on a model folder without a card (the built-in model) and ALFWorld: every held-out split,
+    per-task numbers, pass@k over the samples, each episode's seeds; the exact evaluation training validates with."""
+    import json
+
+    report_path = tmp_path / "report.json"
+    out = run("eval", "--checkpoint", "default:tiny", "--env", "alfworld", "--seeds", "3", "--samples", "2",
+              "--max-steps", "2", "--engine", "hf", "--temperature", "1.0", "--out", str(report_path))
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads(report_path.read_text())
+    assert set(report["splits"]) == {"valid_seen", "valid_unseen"}
+    for part in report["splits"].values():
+        summary = part["summary"]
+        assert summary["episodes"] == 6 and {"pass@1", "pass@2", "per_task", "success_rate"} <= set(summary)
+        assert all(e["task_type"] and e["sampling_seed"] is not None for e in part["episodes"])
+        assert len({e["sampling_seed"] for e in part["episodes"]}) == 6
+    assert "valid_unseen" in out.stdout and "pass@2" in out.stdout
+    missing = run("eval", "--checkpoint", "default:tiny", "--seeds", "1")
+    assert missing.returncode == 2 and "--env" in missing.stderr

@@ -41,3 +41,17 @@ def test_resolve_model_passes_other_names_through():
     assert resolve_model("Qwen/Qwen2.5-1.5B-Instruct") == "Qwen/Qwen2.5-1.5B-Instruct"
     with pytest.raises(ValueError, match="preset"):
         resolve_model("default:huge")
+
+
+def test_tokenizer_corpus_is_byte_identical():
+    """The default model's cache key covers its sizes, not the corpus its tokenizer is trained on: the corpus (now
+    played by the one episode runner) must not change, or a cached model would silently differ from a fresh one.
+    The digest is that of the corpus before the runner existed (its own loop over the same envs)."""
+    import json
+
+    from app.default_model import tokenizer_corpus
+
+    texts = tokenizer_corpus()
+    assert len(texts) == 1828
+    assert hashlib.sha256(json.dumps(texts).encode()).hexdigest() == (
+        "fbfc1d1d9093254cbae80bc238c86b600cdd2aa6844ba327fa0e34a34d61e6c8")

@@ -58,3 +58,36 @@ def test_handle_client_drives_the_search_env(retriever_app) -> None:
             if terminated or truncated:
                 break
         assert info["won"]
+
+
+def test_async_handle_in_the_episode_runner_and_failures_are_counted(retriever_app) -> None:
+    """The way env-group actors search (`retriever: serve`): the deployment's handle awaited inside the episode
+    runner's event loop (no blocking `.result()`); a search the server refuses is an observation and a counted
+    env error, never a crash."""
+    import asyncio
+
+    import envs
+    import memory
+    from actors.episodes import episode_metrics, play, scripted_decider
+    from actors.retrieval import attach_retriever
+
+    _, handle = retriever_app
+
+    def expert(turn):
+        action = turn.env.expert_action()
+        return action if action.startswith("<") else f"<action>{action}</action>"
+
+    async def episodes(top_k: int):
+        kwargs = {"retriever": "serve", "top_k": top_k}
+        games = [attach_retriever(envs.make("search", **kwargs), kwargs, handle) for _ in range(4)]
+        return await asyncio.gather(*(play(g, memory.make("none"), scripted_decider(expert), seed=s)
+                                      for s, g in enumerate(games)))
+
+    good = asyncio.run(episodes(top_k=3))
+    assert all(e.won for e in good) and episode_metrics(good)["env_errors"] == 0
+    refused = asyncio.run(episodes(top_k=50))  # above the server's max_k: every search is refused
+    counts = episode_metrics(refused)
+    assert counts["env_errors"] >= 4 and counts["episodes"] == 4
+    assert all("search failed" in s.observation or s.step == 0 for e in refused for s in e.steps)
+    with pytest.raises(RuntimeError, match="retriever deployment"):
+        envs.make("search", retriever="serve").retriever  # noqa: B018 - without a deployment: a clear error

@@ -43,7 +43,9 @@ def test_train_config_validates_and_builds(path):
         if cfg.max_steps or "max_steps" in cfg.env.kwargs:
             assert env.max_steps == (cfg.max_steps or cfg.env.kwargs["max_steps"])
         deployments = {d["name"]: d for d in app.get("deployments", [])}
-        assert set(deployments) <= {"Policy", "TrainingRun"}, f"unknown deployment in {path.name}: {set(deployments)}"
+        assert set(deployments) <= {"Policy", "TrainingRun", "Retriever"}, \
+            f"unknown deployment in {path.name}: {set(deployments)}"
+        assert ("Retriever" in deployments) == (cfg.retriever is not None), path.name
         policy_gpus = deployments.get("Policy", {}).get("ray_actor_options", {}).get("num_gpus", 0)
         if cfg.trainer.use_gpu:  # a GPU recipe: the policy replicas take GPUs too, and sample with vLLM
             assert policy_gpus > 0 and cfg.policy.engine == "vllm", path.name
@@ -79,6 +81,12 @@ def test_gpu_recipe_without_a_gpu_fails_before_any_actor_starts(monkeypatch):
     ({"rollout": {"temperatur": 0.5}}, ["args.rollout.temperatur", "unknown field"]),
     ({"optim": {"old_logprobs": "rollout"}, "rollout": {"temperature": 0.7}},
      ["optim.old_logprobs", "rollout.temperature 1.0", "recompute"]),
+    ({"optim": {"rollout_correction": "tis", "old_logprobs": "rollout"}}, ["args.optim", "old_logprobs: recompute"]),
+    ({"trainer": {"mixed_precision": "fp8"}}, ["args.trainer.mixed_precision", "'fp32' or 'bf16'"]),
+    ({"optim": {"lr_schedule": "step"}}, ["args.optim.lr_schedule", "'cosine'"]),
+    ({"validation": {"split": "valid_unseen"}}, ["validation.split 'valid_unseen'", "allowed: ['val']"]),
+    ({"env": {"name": "search", "kwargs": {"retriever": "serve"}}}, ["retriever 'serve'", "`retriever:` section"]),
+    ({"algorithm": {"estimator": "hgpo", "params": {"history": 2}}}, ["args.algorithm", "do not fit estimator"]),
 ])
 def test_bad_train_config_names_the_field_and_what_is_allowed(args, words):
     with pytest.raises(ValueError) as err:

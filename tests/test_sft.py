@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import numpy as np
@@ -11,6 +12,7 @@ import yaml
 import envs
 import memory
 from actors.demonstrations import demo_players, demo_seeds, make_demonstrations
+from actors.prompting import encode_prompt
 from app.cli import main
 
 ENV_KWARGS = {"dim_room": [6, 6], "num_boxes": 1, "max_steps": 15, "show_positions": True,
@@ -50,7 +52,7 @@ def test_demonstrations_are_what_the_env_group_actor_encodes(tiny_model):
             expert = env.expert_action()
             if expert is None:
                 break
-            want_prompts.append(actor._encode(env, observation, mem))
+            want_prompts.append(encode_prompt(tok, env, observation, mem.render()))
             want_labels.append(tok.encode(f"<action>{expert}</action>", add_special_tokens=False)
                                + [tok.eos_token_id])
             actions = info["admissible_actions"]
@@ -69,7 +71,7 @@ def test_demonstrations_are_what_the_env_group_actor_encodes(tiny_model):
     # Deterministic, and the actor method (the training app's warm start) returns exactly these rows.
     assert make_demonstrations(tok, "sokoban", ENV_KWARGS, mem_name, mem_kwargs, seeds, expert_prob,
                                rng_seed) == (prompts, labels)
-    table, meta = actor.demonstrations(seeds, expert_prob, rng_seed)
+    table, meta = asyncio.run(actor.demonstrations(seeds, expert_prob, rng_seed))
     assert table["prompt_ids"].to_pylist() == prompts and table["response_ids"].to_pylist() == labels
     assert meta == {"rows": len(prompts), "episodes": len(seeds)}
     # A prompt is the chat template around the env's prompt, ending in the generation prompt.
@@ -118,8 +120,13 @@ def test_sft_writes_a_loadable_model_and_lowers_the_loss(tmp_path, tiny_model, c
     assert [line.split()[1] for line in lines] == ["10/30", "20/30", "30/30"]
     assert all("held-out success" in line and "s/step" in line for line in lines)
 
-    summary = json.loads((out / "raygent_sft.json").read_text())
+    card = json.loads((out / "raygent_agent.json").read_text())
+    summary = card["source"]["sft"]
     assert summary["steps"] == 30 and len(summary["history"]) == 3
+    # the folder says what agent it is: the env, memory, prompt and sampling of the config it was trained with
+    assert card["env"] == {"name": "sokoban", "kwargs": ENV_KWARGS} and card["memory"]["name"] == "none"
+    assert card["prompt"]["prompt_template"] == ENV_KWARGS["prompt_template"] and card["heldout_split"] == "val"
+    assert card["sampling"]["max_tokens"] == 12
     assert summary["last_loss"] < 0.7 * summary["first_loss"], summary
     assert summary["history"][-1]["loss"] < summary["history"][0]["loss"]
     assert not list(tmp_path.glob(".sft-sokoban.*"))  # no temp folder left behind

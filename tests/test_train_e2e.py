@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from actors.metrics import prometheus_name
 from tests.conftest import REPO
 from tests.serve_helpers import ServeRun, get_status, training_config, wait_for
 
@@ -35,6 +36,19 @@ def env_actor_pids() -> list[int]:
         if cmdline.startswith("ray::EnvGroupActor"):
             pids.append(proc.pid)
     return pids
+
+
+def scrape_metrics() -> set[str]:
+    """Metric names on the cluster's Ray metrics export ports (Prometheus text format)."""
+    import ray
+
+    names: set[str] = set()
+    for node in ray.nodes():
+        if node["Alive"] and node.get("MetricsExportPort"):
+            text = httpx.get(f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics",
+                             timeout=10).text
+            names |= {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and line[0] != "#"}
+    return names
 
 
 def test_train_kill_checkpoint_serve_and_resume(ray_cluster, serve_url, tmp_path):
@@ -97,11 +111,19 @@ def test_train_kill_checkpoint_serve_and_resume(ray_cluster, serve_url, tmp_path
         kl_before = [r["train/kl"] for r in train]
         assert kl_before[-1] > 0, kl_before
 
-        # The agent endpoint serves the checkpoint as it is.
+        # The run's gauges reach Ray's metrics agent under the names the Grafana dashboard draws.
+        exported = scrape_metrics()
+        for key in ("weight_version", "train/success_rate", "train/kl", "val/success_rate", "time/iteration_s"):
+            assert prometheus_name(key) in exported, (key, sorted(n for n in exported if "raygent" in n))
+
+        # The agent endpoint serves the checkpoint as it is: its folder says which env, memory and sampling.
+        card = json.loads((checkpoint / "model" / "raygent_agent.json").read_text())
+        assert card["env"]["name"] == "sokoban" and card["source"]["iteration"] == 4
         serve.run(build_agent_app({"policy": {"model": str(checkpoint / "model"), "engine": "hf"}}),
                   name="agent-ckpt", route_prefix="/ckpt")
-        episode = httpx.post(f"{url}/ckpt/v1/episodes", json={"env": "sokoban", "seed": 1}, timeout=120).json()
-        assert episode["steps"] >= 1 and isinstance(episode["won"], bool)
+        episode = httpx.post(f"{url}/ckpt/v1/episodes", json={"seed": 1}, timeout=120).json()
+        assert episode["env"] == "sokoban" and episode["steps"] >= 1 and isinstance(episode["won"], bool)
+        assert episode["sampling"]["max_tokens"] == card["sampling"]["max_tokens"]
         assert httpx.get(f"{url}/ckpt/v1/models", timeout=10).json()["data"][0]["id"] == "model"
     finally:
         run.stop()

@@ -1,0 +1,296 @@
+"""The one episode runner. Every place an agent plays an env uses it: training rollouts, validation and `raygent
+eval`, the random-action baseline, the warm-start demonstrations, `raygent sft`'s evaluation, the agent endpoint's
+`/v1/episodes` and `/v1/act`, `raygent play`, and the corpus the default tokenizer is trained on. No Ray in it.
+
+An episode: reset (with its seed) -> for every step: show the decider a `Turn` (env, observation, memory), get a
+`Decision` (the reply text, and for a policy its prompt / reply tokens, log-probs and weight version), step the env
+with the raw reply (the env's own parser decides what it means, and penalises what it cannot read), store the step
+in memory, record it -> until the env ends the episode, its step limit, or the decider has nothing to say.
+
+`play` is a coroutine: run many episodes concurrently (`play_all`) and each sends its next request as soon as its
+own step is done, no env waiting for the slowest of a batch. A policy decider (`policy_decider`) builds the prompt
+with the one prompt encoder (`actors.prompting`) and calls an async `generate(prompt_ids, sampling)`; its sampling
+seed per step comes from the episode's sampling seed, which includes the group member, so the G envs of a group
+never sample alike, and the same (env seed, sampling seed) replays the same episode wherever it runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from actors.prompting import encode_prompt
+
+Generate = Callable[[list[int], dict[str, Any]], Awaitable[dict[str, Any]]]
+
+
+@dataclass
+class Turn:
+    """What a decider sees at one step."""
+
+    env: Any
+    observation: str
+    info: dict[str, Any]
+    memory: Any
+    step: int
+
+    @property
+    def prompt_text(self) -> str:
+        return self.env.build_prompt(self.observation, self.memory.render())
+
+
+@dataclass
+class Decision:
+    """A reply to one turn. A policy fills in its tokens; `label` is what a demonstration teaches at this state."""
+
+    reply: str
+    prompt_ids: list[int] = field(default_factory=list)
+    response_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    weight_version: int = 0
+    label: str | None = None
+
+
+class PromptTooLong(Exception):
+    """The prompt and the reply budget do not fit the model's context: the episode ends there, counted, never cut."""
+
+
+Decide = Callable[[Turn], Awaitable[Decision | None]]
+
+
+@dataclass
+class StepRecord:
+    step: int
+    observation: str
+    reply: str
+    action: str | None
+    valid: bool
+    reward: float
+    anchor: str
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logprobs: list[float]
+    weight_version: int
+    label: str | None = None
+    env_error: str | None = None  # a service the env depends on failed at this step (counted, never fatal)
+
+
+@dataclass
+class Episode:
+    seed: int
+    steps: list[StepRecord]
+    won: bool
+    return_: float
+    ended: str  # "terminated", "truncated", "prompt_too_long" or "no_decision"
+    final_observation: str
+    final_info: dict[str, Any]
+    sampling_seed: int | None = None
+
+    @property
+    def valid_steps(self) -> int:
+        return sum(s.valid for s in self.steps)
+
+
+def _seed(*parts: int) -> int:
+    """A 31-bit seed mixed from integers (numpy's SeedSequence: nearby inputs give unrelated seeds)."""
+    return int(np.random.SeedSequence([int(p) & 0xFFFFFFFF for p in parts]).generate_state(1)[0] >> 1)
+
+
+def episode_sampling_seed(run_seed: int, round_index: int, group: int, member: int, split: int = 0) -> int:
+    """The sampling seed of one episode of a run: its round (iteration, or validation round), group and member."""
+    return _seed(run_seed, split, round_index, group, member)
+
+
+def step_sampling_seed(sampling_seed: int, step: int) -> int:
+    """The engine's per-request seed at `step` of an episode whose sampling seed is `sampling_seed`."""
+    return _seed(sampling_seed, step)
+
+
+async def play(env: Any, memory: Any, decide: Decide, *, seed: int, max_steps: int | None = None,
+               options: dict[str, Any] | None = None, sampling_seed: int | None = None,
+               on_step: Callable[[StepRecord, str, bool], None] | None = None) -> Episode:
+    """One episode of `env` from `reset(seed=seed)`, each step decided by `decide`; `on_step(record, next
+    observation, episode over)` hears of every step as it happens (the agent endpoint's sessions)."""
+    observation, info = env.reset(seed=int(seed), options=options)
+    memory.reset()
+    steps: list[StepRecord] = []
+    total, won, ended = 0.0, False, "truncated"
+    for t in range(max_steps or env.max_steps):
+        anchor = str(info["anchor"])
+        try:
+            decision = await decide(Turn(env, observation, info, memory, t))
+        except PromptTooLong:
+            ended = "prompt_too_long"
+            break
+        if decision is None:
+            ended = "no_decision"
+            break
+        next_observation, reward, terminated, truncated, step_info = await env.astep(decision.reply)
+        memory.store(observation, step_info.get("action"), reward, step_info)
+        steps.append(StepRecord(
+            step=t, observation=observation, reply=decision.reply, action=step_info.get("action"),
+            valid=bool(step_info["is_action_valid"]), reward=float(reward), anchor=anchor,
+            prompt_ids=decision.prompt_ids, response_ids=decision.response_ids, logprobs=decision.logprobs,
+            weight_version=decision.weight_version, label=decision.label, env_error=step_info.get("env_error")))
+        total += float(reward)
+        won = won or bool(step_info.get("won", False))
+        observation, info = next_observation, step_info
+        over = terminated or truncated or t + 1 >= (max_steps or env.max_steps)
+        if on_step is not None:
+            on_step(steps[-1], observation, over)
+        if terminated or truncated:
+            ended = "terminated" if terminated else "truncated"
+            break
+    return Episode(seed=int(seed), steps=steps, won=won, return_=total, ended=ended, final_observation=observation,
+                   final_info=info, sampling_seed=sampling_seed)
+
+
+async def play_all(make: Callable[[int], tuple[Any, Any, Decide, int, int | None]], n: int,
+                   max_concurrent: int | None = None, max_steps: int | None = None,
+                   on_episode: Callable[[Episode], None] | None = None) -> list[Episode]:
+    """`n` episodes, one coroutine each (at most `max_concurrent` at a time); `make(i)` gives episode i's
+    (env, memory, decide, seed, sampling seed); `on_episode` hears of each as it ends (a progress bar)."""
+    limit = asyncio.Semaphore(max_concurrent or n or 1)
+
+    async def one(i: int) -> Episode:
+        async with limit:
+            env, memory, decide, seed, sampling_seed = make(i)
+            episode = await play(env, memory, decide, seed=seed, max_steps=max_steps, sampling_seed=sampling_seed)
+        if on_episode is not None:
+            on_episode(episode)
+        return episode
+
+    return list(await asyncio.gather(*(one(i) for i in range(n))))
+
+
+def run_sync(coroutine: Awaitable[Any]) -> Any:
+    """Run the runner from synchronous code (scripts, `raygent sft`, the tokenizer corpus)."""
+    return asyncio.run(coroutine)  # type: ignore[arg-type]
+
+
+class Coalescer:
+    """Many coroutines' single-prompt `generate` calls become few batched requests: whatever prompts are waiting
+    when the event loop gets round to it go out together, in up to `chunks` concurrent requests (one per replica).
+    `send(prompts, samplings)` makes one request. Also measures the time with a request in flight."""
+
+    def __init__(self, send: Callable[[list[list[int]], list[dict[str, Any]]], Awaitable[list[dict[str, Any]]]],
+                 chunks: int = 1):
+        self.send, self.chunks = send, max(1, chunks)
+        self._pending: list[tuple[list[int], dict[str, Any], asyncio.Future]] = []
+        self._scheduled = False
+        self._in_flight, self._busy_since, self.busy_seconds = 0, 0.0, 0.0
+
+    async def generate(self, prompt: list[int], sampling: dict[str, Any]) -> dict[str, Any]:
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._pending.append((prompt, sampling, future))
+        if not self._scheduled:
+            # call_soon runs after every coroutine already woken by the last replies: they all join this request
+            self._scheduled = True
+            loop.call_soon(self._flush)
+        return await future
+
+    def _flush(self) -> None:
+        self._scheduled = False
+        items, self._pending = self._pending, []
+        for part in np.array_split(np.arange(len(items)), min(self.chunks, len(items))):
+            if len(part):
+                asyncio.ensure_future(self._request([items[i] for i in part]))
+
+    async def _request(self, items: list[tuple[list[int], dict[str, Any], asyncio.Future]]) -> None:
+        if self._in_flight == 0:
+            self._busy_since = time.perf_counter()
+        self._in_flight += 1
+        try:
+            replies = await self.send([p for p, _, _ in items], [s for _, s, _ in items])
+            for (_, _, future), reply in zip(items, replies, strict=True):
+                if not future.done():
+                    future.set_result(reply)
+        except BaseException as e:  # every waiting episode sees the failure
+            for _, _, future in items:
+                if not future.done():
+                    future.set_exception(e)
+        finally:
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                self.busy_seconds += time.perf_counter() - self._busy_since
+
+
+# ---- deciders ---------------------------------------------------------------------------------------------------
+def policy_decider(tokenizer: Any, generate: Generate, sampling: dict[str, Any], *, max_model_len: int,
+                   sampling_seed: int | None = None) -> Decide:
+    """The policy: the prompt as training builds it, one `generate` call per step, seeded per step when the episode
+    has a sampling seed (greedy decoding needs none)."""
+
+    async def decide(turn: Turn) -> Decision:
+        prompt = encode_prompt(tokenizer, turn.env, turn.observation, turn.memory.render())
+        if len(prompt) + int(sampling["max_tokens"]) > max_model_len:
+            raise PromptTooLong(f"{len(prompt)} prompt tokens + max_tokens {sampling['max_tokens']} > "
+                                f"max_model_len {max_model_len}")
+        seed = None if sampling_seed is None else step_sampling_seed(sampling_seed, turn.step)
+        reply = await generate(prompt, {**sampling, "seed": seed})
+        return Decision(reply["text"], prompt, list(reply["token_ids"]), list(reply["logprobs"]),
+                        int(reply.get("weight_version", 0)))
+
+    return decide
+
+
+def action_reply(action: str) -> str:
+    """A canonical action as a reply the env parses: envs with their own tags (<search>, <answer>, tool calls)
+    take them as they are, the others inside <action></action>."""
+    return action if action.startswith("<") else f"<action>{action}</action>"
+
+
+def random_decider(rng: np.random.Generator) -> Decide:
+    """A uniformly random admissible action: the floor RL must beat."""
+
+    async def decide(turn: Turn) -> Decision:
+        actions = turn.info["admissible_actions"]
+        return Decision(f"<action>{actions[rng.integers(len(actions))] if actions else ''}</action>")
+
+    return decide
+
+
+def demonstration_decider(tokenizer: Any, expert_prob: float, rng: np.random.Generator) -> Decide:
+    """Warm-start data: every visited state labelled with the env's expert action; the player follows the expert
+    with probability `expert_prob`, else a random admissible action (state variety). Ends when the expert has
+    nothing to say."""
+
+    async def decide(turn: Turn) -> Decision | None:
+        expert = turn.env.expert_action()
+        if expert is None:
+            return None
+        actions = turn.info["admissible_actions"]
+        action = expert if (rng.random() < expert_prob or not actions) else actions[rng.integers(len(actions))]
+        prompt = encode_prompt(tokenizer, turn.env, turn.observation, turn.memory.render())
+        return Decision(f"<action>{action}</action>", prompt_ids=prompt, label=expert)
+
+    return decide
+
+
+def scripted_decider(choose: Callable[[Turn], str | None]) -> Decide:
+    """Replies from plain code (a person at the terminal, a fixed script): `choose(turn)` -> reply or None."""
+
+    async def decide(turn: Turn) -> Decision | None:
+        reply = choose(turn)
+        return None if reply is None else Decision(reply)
+
+    return decide
+
+
+# ---- what episodes add up to ------------------------------------------------------------------------------------
+def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
+    """Counts over episodes that add up across actors: episodes, wins, returns, steps, valid steps, token counts."""
+    steps = [s for e in episodes for s in e.steps]
+    return {"episodes": len(episodes), "won": sum(e.won for e in episodes),
+            "return_sum": float(sum(e.return_ for e in episodes)), "steps": len(steps),
+            "valid_steps": sum(s.valid for s in steps),
+            "prompt_too_long": sum(e.ended == "prompt_too_long" for e in episodes),
+            "env_errors": sum(s.env_error is not None for s in steps),
+            "generated_tokens": sum(len(s.response_ids) for s in steps),
+            "prompt_tokens": sum(len(s.prompt_ids) for s in steps)}
