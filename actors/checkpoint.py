@@ -83,9 +83,13 @@ def save_model(weights: dict[str, np.ndarray], template_dir: Path, out_dir: Path
 
 async def save_checkpoint(run_dir: Path, iteration: int, weights: dict[str, np.ndarray], template_dir: Path,
                           state: dict[str, Any], keep: int,
-                          save_optimizer: Callable[[str], Awaitable[None]] | None = None, card: Any = None) -> Path:
-    """Write checkpoint `iter_{iteration}` atomically; keep the newest `keep`. `save_optimizer(path)` asks the
-    training job to write its optimizer state into the temporary folder before the rename."""
+                          save_optimizer: Callable[[str], Awaitable[None]] | None = None, card: Any = None,
+                          pinned: set[Path] | frozenset[Path] = frozenset()) -> Path:
+    """Write checkpoint `iter_{iteration}` atomically; keep the newest `keep` and every `pinned` one (the checkpoint
+    this run resumed from: its replicas and actors load their starting model from it, so it must outlive
+    rotation). `save_optimizer(path)` asks the training job to write its optimizer state into the temporary folder
+    before the rename. Re-checkpointing an iteration swaps the folders: there is never a moment without a complete
+    checkpoint of it on disk."""
     root = run_dir / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"iter_{iteration:06d}"
@@ -99,13 +103,19 @@ async def save_checkpoint(run_dir: Path, iteration: int, weights: dict[str, np.n
         if save_optimizer is not None:
             await save_optimizer(str(tmp / "optimizer.pt"))
         (tmp / "state.json").write_text(json.dumps(state, indent=2, default=str))
+        previous = None
         if final.exists():  # re-checkpointing the same iteration (e.g. /checkpoint then the scheduled one)
-            shutil.rmtree(final)
+            previous = root / f".old-{final.name}-{os.getpid()}"
+            os.replace(final, previous)
         os.replace(tmp, final)
+        if previous is not None:
+            shutil.rmtree(previous, ignore_errors=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    keep_paths = {p.resolve() for p in pinned}
     for old in list_checkpoints(run_dir)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+        if old.resolve() not in keep_paths:
+            shutil.rmtree(old, ignore_errors=True)
     return final
 
 

@@ -52,6 +52,10 @@ class PolicyConfig(_Section):
     seed: int = 0
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
         "WARNING", description="the engines' own logs (vLLM, transformers) in the replicas")
+    initial_version: int = Field(0, ge=0, description="the weight version of `model` (a resumed run's checkpoint)")
+    sync_from: str | None = Field(None, description="a training run's controller (its actor name, namespace "
+                                                    "raygent): a (re)starting replica loads the run's latest "
+                                                    "weights from it before it serves (set by the training app)")
 
 
 class RetrieverConfig(_Section):
@@ -200,6 +204,11 @@ class TrainerConfig(_Section):
                             "(FSDP2 MixedPrecisionPolicy; autocast without FSDP)")
     activation_checkpointing: bool = Field(False, description="recompute each decoder layer's activations in the "
                                                               "backward pass: less memory, ~30% more compute")
+    task_timeout_s: float = Field(1800.0, gt=0, description="deadline of one Train task (an update, a warm-start "
+                                                             "chunk, a checkpoint) and of every collective in it: "
+                                                             "past it the job is ended and restarted")
+    max_restarts: int = Field(3, ge=0, description="Train job restarts from the last checkpoint before the run "
+                                                   "fails")
 
     @model_validator(mode="after")
     def _gpu(self) -> TrainerConfig:
@@ -379,6 +388,42 @@ class AgentCard(_Section):
     def heldout_kwargs(self) -> dict[str, Any]:
         splits = envs.make(self.env.name, **self.env.kwargs).heldout_splits
         return dict(splits.get(self.heldout_split or next(iter(splits)), {}))
+
+
+# What a resumed run may change against the checkpoint's config: how long it runs, how often it validates and
+# checkpoints, where it logs, and how its work is laid out on the machines (the exact loss aggregation makes the
+# update independent of micro-batch size and worker count). Anything else would silently train another objective.
+RESUMABLE_CHANGES = (
+    "iterations", "checkpoint", "logging", "validation.every", "trainer.num_workers", "trainer.strategy",
+    "trainer.cpus_per_worker", "trainer.task_timeout_s", "trainer.max_restarts",
+    "trainer.activation_checkpointing", "optim.micro_batch_size", "rollout.num_env_actors", "rollout.env_actor_cpus",
+    "rollout.requests_per_step", "policy.engine", "policy.max_batch_size", "policy.batch_wait_timeout_s",
+    "policy.kv_cache_bytes", "policy.gpu_memory_utilization", "policy.log_level", "output_dir",
+)
+
+
+def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(d, dict):
+        return {prefix: d}
+    out: dict[str, Any] = {}
+    for key, value in d.items():
+        out.update(_flat(value, f"{prefix}.{key}" if prefix else str(key)))
+    return out
+
+
+def check_resume_config(checkpoint_config: dict[str, Any], config: dict[str, Any]) -> list[str]:
+    """The fields a resumed run changes against its checkpoint's config (dotted paths, allowed ones included);
+    raises ValueError naming every change that is not allowed on resume."""
+    old = _flat(TrainConfig.model_validate(checkpoint_config).model_dump(mode="json"))
+    new = _flat(TrainConfig.model_validate(config).model_dump(mode="json"))
+    changed = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
+    refused = [k for k in changed if not any(k == a or k.startswith(a + ".") for a in RESUMABLE_CHANGES)]
+    if refused:
+        lines = "\n".join(f"  args.{k}: {old.get(k)!r} in the checkpoint, {new.get(k)!r} now" for k in refused)
+        raise ValueError(f"cannot resume: the config changed what the run trains:\n{lines}\nallowed to change on "
+                         f"resume: {list(RESUMABLE_CHANGES)}; to start over set checkpoint.resume: never (or a "
+                         "new run_name)")
+    return changed
 
 
 def format_config_error(e: ValidationError, prefix: str = "args") -> str:

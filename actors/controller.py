@@ -22,6 +22,7 @@ import ray
 import envs
 from actors.batch import build_batch, split_for_workers
 from actors.checkpoint import (
+    latest_checkpoint,
     load_state,
     reference_model_of,
     save_checkpoint,
@@ -32,10 +33,11 @@ from actors.demonstrations import demo_players
 from actors.env_group import EnvGroupActor
 from actors.evaluation import summarize
 from actors.metrics import MetricsSink, quiet_frameworks
-from actors.trainer import TrainerGroup
+from actors.trainer import TrainerFailure, TrainerGroup
 from algorithms import step_group_stats
 
 logger = logging.getLogger("raygent")
+HEARTBEAT_TIMEOUT_S = 120.0  # Serve health-checks the ingress every ~10 s
 
 
 def _pad_id(model_path: str) -> int:
@@ -63,7 +65,7 @@ def _setup_logging() -> None:
 @ray.remote(num_cpus=0, max_restarts=0)
 class Controller:
     def __init__(self, config: dict[str, Any], policy: Any, model_path: str, resume_from: str | None = None,
-                 retriever: Any = None):
+                 retriever: Any = None, config_hash: str = ""):
         from actors.config import TrainConfig
 
         self.cfg = TrainConfig.model_validate(config)
@@ -87,16 +89,46 @@ class Controller:
         self.warm_start_done = False
         self._stop = False
         self._checkpoint_waiters: list[asyncio.Future] = []
+        self._checkpointed_version = -1
+        self.restarts = 0
+        self.replica_sync_failures = 0
+        self.checkpoint_failures = 0
         self._task: asyncio.Task | None = None
         self.started_at = time.time()
+        self._config_hash = config_hash
+        self.last_heartbeat = time.monotonic()
 
     # ---- control surface (called by the training app's HTTP routes) ------------------------------------------
     async def start(self) -> bool:
-        """Start the run loop once; later calls (e.g. a restarted ingress replica) are no-ops."""
+        """Start the run loop (and the watch on the application's heartbeats) once; later calls are no-ops."""
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._main())
+            self._watch = asyncio.get_running_loop().create_task(self._watch_heartbeats())
             return True
         return False
+
+    def config_hash(self) -> str:
+        return self._config_hash
+
+    def heartbeat(self) -> bool:
+        """The application's ingress is alive (its health check calls this every few seconds)."""
+        self.last_heartbeat = time.monotonic()
+        return True
+
+    async def _watch_heartbeats(self) -> None:
+        """The controller lives as long as its application: with no heartbeat for HEARTBEAT_TIMEOUT_S (the app
+        was deleted, or its ingress died and nobody restarted it), the run stops with a checkpoint and the actor
+        exits."""
+        while True:
+            await asyncio.sleep(5.0)
+            if time.monotonic() - self.last_heartbeat < HEARTBEAT_TIMEOUT_S:
+                continue
+            if self.phase not in ("done", "stopped", "failed"):
+                logger.warning("no heartbeat from the application for %.0fs: stopping the run", HEARTBEAT_TIMEOUT_S)
+                self._stop = True
+                if self._task is not None:
+                    await asyncio.wait([self._task], timeout=600)
+            ray.kill(ray.get_runtime_context().current_actor)
 
     def status(self) -> dict[str, Any]:
         return {"run_name": self.cfg.run_name, "phase": self.phase, "iteration": self.iteration,
@@ -109,20 +141,29 @@ class Controller:
         return self.sink.records if hasattr(self, "sink") else []
 
     def request_stop(self) -> dict[str, Any]:
-        """Graceful: the running iteration finishes, a checkpoint is written, the trainer stops."""
+        """Graceful, in every phase: the running iteration (or warm-start chunk) finishes, a checkpoint is written,
+        the trainer stops."""
         self._stop = True
-        return {"stopping": True, "iteration": self.iteration}
+        return {"stopping": True, "iteration": self.iteration, "phase": self.phase}
 
     async def request_checkpoint(self) -> dict[str, Any]:
-        """A checkpoint at the end of the running iteration (now, if the run is over)."""
-        if self.phase in ("done", "stopped", "failed") or self.latest_weights is None:
-            if self.latest_weights is None:
-                return {"checkpoint": self.last_checkpoint, "note": "no trained weights yet"}
-            path = await self._checkpoint()
-            return {"checkpoint": str(path)}
+        """A checkpoint at the end of the running iteration or warm-start chunk; once the run is over, the final
+        checkpoint it wrote (the Train job is gone, and the weights have not changed since)."""
+        if self.phase in ("done", "stopped", "failed"):
+            return {"checkpoint": self.last_checkpoint, "note": f"the run is {self.phase}: its last checkpoint"}
+        if self.latest_weights is None and self.phase in ("starting", "baseline"):
+            return {"checkpoint": self.last_checkpoint, "note": "no trained weights yet"}
         waiter = asyncio.get_running_loop().create_future()
         self._checkpoint_waiters.append(waiter)
         return {"checkpoint": str(await waiter)}
+
+    async def _answer_checkpoint_requests(self) -> None:
+        if self._checkpoint_waiters:
+            path = await self._checkpoint()
+            for w in self._checkpoint_waiters:
+                if not w.done():
+                    w.set_result(path)
+            self._checkpoint_waiters.clear()
 
     # ---- the run ---------------------------------------------------------------------------------------------
     async def _main(self) -> None:
@@ -152,25 +193,84 @@ class Controller:
                         self.iteration, self.reference_model)
         # Blocking file and model work off the event loop: /status keeps answering while the run starts.
         self.sink = await asyncio.to_thread(MetricsSink, self.run_dir, cfg.run_name, cfg.logging, self.config_dict,
-                                            resume=resumed is not None)
+                                            self.iteration if resumed is not None else None)
         (self.run_dir / "config.json").write_text(json.dumps(self.config_dict, indent=2))
         self.template = await asyncio.to_thread(write_model_template, self.model_path,
                                                 self.run_dir / "model_template")
         pad_id = await asyncio.to_thread(_pad_id, self.model_path)
         self.env_actors = [self._make_env_actor() for _ in range(cfg.rollout.num_env_actors)]
         await asyncio.gather(*(a.ready.remote() for a in self.env_actors))
+        self.pad_id = pad_id
         optimizer_state = self.resume_from / "optimizer.pt" if self.resume_from else None
-        self.trainer = TrainerGroup(cfg.run_name, str(self.run_dir), cfg.trainer, {
-            "model_path": self.model_path, "ref_model_path": self.reference_model, "optim": cfg.optim.model_dump(),
-            "seed": cfg.seed, "pad_id": pad_id, "norm_length": cfg.loss_norm_length, "iterations": cfg.iterations,
+        # The Train job starts from the checkpoint it resumes (the replicas' start model may be an older one: a
+        # controller started again by the health check resumes from the latest checkpoint).
+        train_model = str(self.resume_from / "model") if self.resume_from else self.model_path
+        self.trainer = self._make_trainer(train_model, optimizer_state)
+        await asyncio.to_thread(self.trainer.start)
+        # The replicas start from `model_path` under the version it was saved with (the training app passes the
+        # resumed weight version as policy.initial_version); replicas that outlived an earlier controller of
+        # this run hold later weights: they get the checkpoint's again, under a version above theirs.
+        self._checkpointed_version = self.version
+        if self.resume_from is not None:
+            await self._restore_replicas(self.resume_from)
+
+    def _make_trainer(self, model_path: str, optimizer_state: Path | None) -> TrainerGroup:
+        cfg = self.cfg
+        return TrainerGroup(cfg.run_name, str(self.run_dir), cfg.trainer, {
+            "model_path": model_path, "ref_model_path": self.reference_model, "optim": cfg.optim.model_dump(),
+            "seed": cfg.seed, "pad_id": self.pad_id, "norm_length": cfg.loss_norm_length, "iterations": cfg.iterations,
             "mixed_precision": cfg.trainer.mixed_precision,
             "activation_checkpointing": cfg.trainer.activation_checkpointing,
             "framework_log_level": cfg.logging.framework_level,
             "optimizer_state": str(optimizer_state) if optimizer_state and optimizer_state.exists() else None,
         })
+
+    async def _recover_trainer(self, error: TrainerFailure) -> None:
+        """The Train job failed or hung: start a new one from the last checkpoint (model and optimizer), roll the
+        run back to that checkpoint's iteration (its metrics after it are cut, the iterations are redone) and put
+        its weights on every replica under a new, higher version."""
+        self.restarts += 1
+        if self.restarts > self.cfg.trainer.max_restarts:
+            raise RuntimeError(f"the Train job failed {self.restarts} times (trainer.max_restarts "
+                               f"{self.cfg.trainer.max_restarts}); last: {error}") from error
+        checkpoint = latest_checkpoint(self.run_dir)
+        logger.warning("the Train job failed (%s); restart %d/%d from %s", str(error).splitlines()[0][:300],
+                       self.restarts, self.cfg.trainer.max_restarts, checkpoint or "the starting model")
+        self.phase = "recovering"
+        if checkpoint is not None:
+            state = load_state(checkpoint)
+            self.iteration, self.warm_start_done = state["iteration"], state.get("warm_start_done", False)
+            model, optimizer = str(checkpoint / "model"), checkpoint / "optimizer.pt"
+        else:  # nothing checkpointed yet: from the start (the warm start, if any, runs again)
+            self.iteration, self.warm_start_done = 0, False
+            model, optimizer = self.model_path, None
+        self.sink.truncate(self.iteration)
+        self.trainer = self._make_trainer(model, optimizer)
         await asyncio.to_thread(self.trainer.start)
-        # The replicas start from `model_path` at version 0; name that state with the resumed version.
-        self.version = max(self.version, 0)
+        if checkpoint is not None:  # the lost job owned the latest weights: the checkpoint's, owned here
+            await self._restore_replicas(checkpoint, always=True)
+        self._log({"iteration": self.iteration, "phase": "fault", "faults/trainer_restarts": self.restarts,
+                   "faults/restored_from": str(checkpoint) if checkpoint else None})
+
+    async def _restore_replicas(self, checkpoint: Path, always: bool = False) -> None:
+        """Put a checkpoint's weights on every replica (held by this controller, not by a Train worker that may be
+        gone), under a version above every replica's, unless they all hold that checkpoint's version already."""
+        infos = await self.policy.broadcast("info").results_async(return_exceptions=True)
+        versions = [i["version"] for i in infos if isinstance(i, dict)]
+        if not always and versions and all(v == self.version for v in versions):
+            return
+        from safetensors.numpy import load_file
+
+        weights = await asyncio.to_thread(load_file, str(Path(checkpoint) / "model" / "model.safetensors"))
+        self.version = max([self.version, *versions])
+        await self._broadcast(ray.put(weights))
+        self._checkpointed_version = self.version
+
+    def latest_weights_for_replica(self) -> dict[str, Any] | None:
+        """What a (re)starting policy replica loads before it serves: the latest weights and their version."""
+        if self.latest_weights is None:
+            return None
+        return {"version": self.version, "weights": self.latest_weights}
 
     def _make_env_actor(self):
         cfg = self.cfg
@@ -196,8 +296,26 @@ class Controller:
                 # An untrained policy writes max_tokens of noise at every step of every episode: the costliest
                 # validation of a run, for a number that is usually 0; a subset of the seeds can tell.
                 await self._validate(val_seeds[:baseline_envs], tag="untrained")
-        if cfg.warm_start.enabled and not self.warm_start_done:
-            await self._warm_start(val_seeds)
+        while True:  # a failed Train job is restarted from the last checkpoint and the run goes on from there
+            try:
+                if cfg.warm_start.enabled and not self.warm_start_done and not self._stop:
+                    await self._warm_start(val_seeds)
+                await self._train(val_seeds)
+                break
+            except TrainerFailure as e:
+                await self._recover_trainer(e)
+        if self.latest_weights is not None and self._checkpointed_version != self.version:
+            await self._checkpoint()  # stopped before any RL iteration: what the warm start made is kept
+        await self._answer_checkpoint_requests()
+        await self.trainer.stop()
+        self.phase = "stopped" if self._stop and self.iteration < cfg.iterations else "done"
+        self.sink.close()
+        logger.info("run %s %s after %d iterations; checkpoint: %s. Serve it: serve run "
+                    "app.agent:build_agent_app model=%s/model", cfg.run_name, self.phase, self.iteration,
+                    self.last_checkpoint, self.last_checkpoint)
+
+    async def _train(self, val_seeds: np.ndarray) -> None:
+        cfg = self.cfg
         self.phase = "training"
         while self.iteration < cfg.iterations and not self._stop:
             it = self.iteration
@@ -206,24 +324,13 @@ class Controller:
             last = self.iteration == cfg.iterations
             if cfg.validation.every and (last or self.iteration % cfg.validation.every == 0):
                 record.update(await self._validate(val_seeds, log=False))
-            if self._checkpoint_waiters or last or self._stop or (
-                    cfg.checkpoint.every and self.iteration % cfg.checkpoint.every == 0):
+            if last or self._stop or (cfg.checkpoint.every and self.iteration % cfg.checkpoint.every == 0):
                 t0 = time.perf_counter()
-                path = await self._checkpoint()
+                await self._checkpoint()
                 record["time/checkpoint_s"] = time.perf_counter() - t0
-                for w in self._checkpoint_waiters:
-                    w.set_result(path)
-                self._checkpoint_waiters.clear()
+            await self._answer_checkpoint_requests()
             self._log(record)
             self._print_line(record)
-        if self._stop and self.latest_weights is not None and self.last_checkpoint is None:
-            await self._checkpoint()
-        await self.trainer.stop()
-        self.phase = "stopped" if self._stop and self.iteration < cfg.iterations else "done"
-        self.sink.close()
-        logger.info("run %s %s after %d iterations; checkpoint: %s. Serve it: set policy.model to %s/model "
-                    "in serve_configs/agent.yaml", cfg.run_name, self.phase, self.iteration, self.last_checkpoint,
-                    self.last_checkpoint)
 
     # ---- one iteration ---------------------------------------------------------------------------------------
     async def _iteration(self, it: int) -> dict[str, Any]:
@@ -263,7 +370,7 @@ class Controller:
     def _build_dataset(self, tables: list[Any]):
         """The iteration's Dataset from the env-group actors' blocks (`actors.batch`: advantages where the rows
         are, whole-batch statistics merged from the blocks), then one shard per training worker, no row dropped."""
-        ds = build_batch(tables, self.cfg.algorithm)
+        ds = build_batch(tables, self.cfg.algorithm, self.version)
         summary = ds.select_columns(["group_id", "anchor", "advantage"]).to_pandas()
         if len(summary) == 0:
             return None, summary, None
@@ -303,7 +410,7 @@ class Controller:
         async def call(actor: Any, part: np.ndarray):
             table_ref, metrics_ref = actor.rollout.remote(
                 seeds[part].tolist(), cfg.rollout.group_size, int(part[0]), self._sampling(cfg.rollout.temperature),
-                cfg.rollout.requests_per_step, cfg.seed, it)
+                cfg.rollout.requests_per_step, cfg.seed, it, self.version)
             return table_ref, await metrics_ref
 
         ok, faults = await self._on_actors(len(seeds), call, "groups")
@@ -337,7 +444,10 @@ class Controller:
                         "faults/rerolled_groups": int(total("rerolled_groups")),
                         "faults/dropped_groups": int(total("dropped_groups")),
                         "faults/prompt_too_long": int(total("prompt_too_long")),
-                        "faults/env_errors": int(total("env_errors"))})
+                        "faults/env_errors": int(total("env_errors")),
+                        "faults/stale_rows": int(total("stale_rows")),
+                        "faults/replica_sync_failures": self.replica_sync_failures,
+                        "faults/checkpoint_failures": self.checkpoint_failures})
         return out
 
     async def _validate(self, val_seeds: np.ndarray, tag: str = "val", log: bool = True) -> dict[str, Any]:
@@ -367,37 +477,75 @@ class Controller:
         return record
 
     async def _sync_replicas(self) -> None:
-        """A replica that restarted came back with the starting weights: bring every replica to the latest."""
+        """Before a rollout: every replica on the latest weights. A replica that restarted and could not sync
+        itself from the run, or missed a broadcast, gets them again (under a new version, so nothing rolls back)."""
         if self.latest_weights is None:
             return
-        infos = await self.policy.broadcast("info").results_async()
-        if any(i["version"] != self.version for i in infos):
-            logger.warning("replica versions %s differ from %d: re-broadcasting", [i["version"] for i in infos],
-                           self.version)
+        try:
+            infos = await asyncio.wait_for(
+                self.policy.broadcast("info").results_async(return_exceptions=True), timeout=120)
+        except asyncio.TimeoutError:
+            infos = [None]
+        versions = [i["version"] if isinstance(i, dict) else None for i in infos]
+        if any(v != self.version for v in versions):
+            logger.warning("replica versions %s differ from %d: re-broadcasting", versions, self.version)
             await self._broadcast(self.latest_weights)
 
     async def _broadcast(self, weights_ref: Any) -> None:
+        """New weights to every replica under the next version. A replica that fails to take them is logged and
+        counted, and stays behind: the next sync check retries it, and until then its rows are dropped as stale."""
         self.version += 1
         self.latest_weights = weights_ref
-        await self.policy.broadcast("update_weights", weights_ref, self.version).results_async()
+        results = await self.policy.broadcast("update_weights", weights_ref, self.version).results_async(
+            return_exceptions=True)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            self.replica_sync_failures += len(failed)
+            logger.warning("%d of %d replicas did not take weight version %d: %s", len(failed), len(results),
+                           self.version, str(failed[0]).splitlines()[0][:200])
 
-    async def _checkpoint(self) -> Path:
-        prev, self.phase = self.phase, "checkpointing"
+    async def _checkpoint(self) -> Path | None:
+        """A checkpoint of the current weights, optimizer and run state; a disk that refuses it (full, read-only) is
+        logged and counted, the previous checkpoint stays intact, and the run goes on."""
+        prev = self.phase
+        try:
+            return await self._write_checkpoint()
+        except OSError as e:
+            self.checkpoint_failures += 1
+            logger.error("checkpoint of iteration %d failed (%s); the last one stays %s", self.iteration, e,
+                         self.last_checkpoint)
+            return Path(self.last_checkpoint) if self.last_checkpoint else None
+        finally:
+            self.phase = prev
+
+    async def _write_checkpoint(self) -> Path:
+        self.phase = "checkpointing"
         weights = await self.latest_weights
         state = {"iteration": self.iteration, "weight_version": self.version, "seed": self.cfg.seed,
                  "warm_start_done": self.warm_start_done, "run_name": self.cfg.run_name, "time": time.time(),
                  "reference_model": self.reference_model, "config": self.config_dict}
 
         async def save_optimizer(path: str) -> None:
-            await self.trainer.run({"kind": "save_optimizer", "path": path})
+            results = await self.trainer.run({"kind": "save_optimizer", "path": path})
+            if results[0].get("write_error"):
+                raise OSError(results[0]["write_error"])
 
         card = self.cfg.agent_card(iteration=self.iteration, weight_version=self.version,
                                    warm_start_done=self.warm_start_done, base_model=self.cfg.policy.model)
         path = await save_checkpoint(self.run_dir, self.iteration, weights, self.template, state,
-                                     self.cfg.checkpoint.keep, save_optimizer, card)
+                                     self.cfg.checkpoint.keep, save_optimizer, card, self._pinned())
         self.last_checkpoint = str(path)
-        self.phase = prev
+        self._checkpointed_version = self.version
         return path
+
+    def _pinned(self) -> set[Path]:
+        """Checkpoints rotation must keep while this run lives: the one it resumed from, and the one the policy
+        replicas and env-group actors load their starting model from (a restart reads it again)."""
+        pinned = {self.resume_from} if self.resume_from else set()
+        start = Path(self.model_path)
+        if start.name == "model" and start.parent.parent == self.run_dir / "checkpoints":
+            pinned.add(start.parent)
+        return pinned
 
     # ---- supervised warm start -------------------------------------------------------------------------------
     async def _warm_start(self, val_seeds: np.ndarray) -> None:
@@ -415,7 +563,7 @@ class Controller:
         logger.info("warm start: %d demonstration steps from %d episodes", n_rows, ws.demo_seeds)
         bar = tqdm(total=ws.steps, desc="warm start (supervised)")
         done, first = 0, True
-        while done < ws.steps:
+        while done < ws.steps and not self._stop:
             steps = min(ws.eval_every, ws.steps - done)
             results = await self.trainer.run({"kind": "sft", "shards": shards if first else None, "steps": steps,
                                               "batch_size": ws.batch_size, "lr": ws.lr, "want_weights": True})
@@ -430,7 +578,10 @@ class Controller:
                         results[0]["metrics"].get("sft_loss", float("nan")), 100 * val["val/success_rate"])
             if val["val/success_rate"] >= ws.target_success:
                 break
+            await self._answer_checkpoint_requests()
         bar.close()
+        if self._stop:  # stopped during the warm start: the run's end checkpoints it; a resume warm-starts again
+            return
         await self.trainer.run({"kind": "reset_optimizer"})
         # RL starts from here: this policy is the KL reference from now on, kept outside the rotating checkpoints.
         card = self.cfg.agent_card(iteration=0, weight_version=self.version, warm_start_done=True,

@@ -110,8 +110,8 @@ class EnvGroupActor:
 
     @ray.method(num_returns=2)
     async def rollout(self, seeds: Sequence[int], group_size: int, group_offset: int, sampling: dict[str, Any],
-                      requests_per_step: int = 2, run_seed: int = 0, round_index: int = 0
-                      ) -> tuple[pa.Table, dict[str, Any]]:
+                      requests_per_step: int = 2, run_seed: int = 0, round_index: int = 0,
+                      expected_version: int | None = None) -> tuple[pa.Table, dict[str, Any]]:
         """One episode per env of `len(seeds)` groups x `group_size` with the policy (env i of group g starts from
         seeds[g]). Group ids start at `group_offset`; trajectory id = group_id * group_size + member; each episode's
         sampling seed comes from (run_seed, round_index, group id, member). Returns the step records and metrics."""
@@ -142,7 +142,9 @@ class EnvGroupActor:
         errors = [s.env_error for e in episodes for s in e.steps if s.env_error]
         if errors:
             logger.warning("%d env errors in this rollout, e.g. %s", len(errors), errors[0])
-        metrics = {**episode_metrics(episodes), "generate_seconds": generate_seconds,
+        # a replica that restarted and could not sync answers with other weights: counted here, dropped later
+        stale = 0 if expected_version is None else sum(v != expected_version for v in rows["weight_version"])
+        metrics = {**episode_metrics(episodes), "generate_seconds": generate_seconds, "stale_rows": stale,
                    "seconds": time.perf_counter() - started}
         return pa.table(rows, schema=RECORD_SCHEMA), metrics
 

@@ -37,6 +37,9 @@ DASHBOARD_METRICS = {
     "faults/dropped_groups": ("groups dropped after a second failure", "faults"),
     "faults/prompt_too_long": ("episodes ended by a prompt longer than max_model_len", "faults"),
     "faults/env_errors": ("failures of services an env depends on (retriever, tools)", "faults"),
+    "faults/stale_rows": ("rows from a replica on other weights (their groups are dropped)", "faults"),
+    "faults/trainer_restarts": ("Train job restarts from the last checkpoint", "faults"),
+    "faults/checkpoint_failures": ("checkpoints the disk refused (the last one stays)", "faults"),
 }
 
 
@@ -46,18 +49,39 @@ def prometheus_name(key: str) -> str:
 
 
 class MetricsSink:
-    def __init__(self, run_dir: Path, run_name: str, logging_cfg: Any, config: dict[str, Any], resume: bool):
+    """`resume_iteration`: the iteration of the checkpoint a run resumes from. The records after it (iterations that
+    ran but were not checkpointed before a crash) are cut, so the resumed run's history has each iteration once; W&B
+    and MLflow continue the same run (their ids are kept in the run folder)."""
+
+    def __init__(self, run_dir: Path, run_name: str, logging_cfg: Any, config: dict[str, Any],
+                 resume_iteration: int | None):
         self.path = run_dir / "metrics.jsonl"
+        self.run_dir = run_dir
         self.cfg = logging_cfg
         self.run_name = run_name
         self.records: list[dict[str, Any]] = []
-        if resume and self.path.exists():
-            self.records = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+        if resume_iteration is not None and self.path.exists():
+            kept = [r for r in (json.loads(line) for line in self.path.read_text().splitlines() if line.strip())
+                    if int(r.get("iteration", 0)) <= resume_iteration]
+            self.records = kept
+            tmp = self.path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+            os.replace(tmp, self.path)
         elif self.path.exists():
             self.path.unlink()
+        resume = resume_iteration is not None
         self._gauges = self._make_gauges()
-        self._wandb = self._start_wandb(config, run_dir) if logging_cfg.wandb else None
-        self._mlflow = self._start_mlflow(config) if logging_cfg.mlflow else None
+        self._wandb = self._start_wandb(config, run_dir, resume) if logging_cfg.wandb else None
+        self._mlflow = self._start_mlflow(config, resume) if logging_cfg.mlflow else None
+
+    def _run_id(self, tracker: str, resume: bool, new: Any) -> str:
+        """The tracker's run id for this run folder: the kept one when resuming, else a new one (kept)."""
+        path = self.run_dir / f"{tracker}_run_id"
+        if resume and path.exists():
+            return path.read_text().strip()
+        run_id = str(new())
+        path.write_text(run_id)
+        return run_id
 
     def _make_gauges(self) -> dict[str, Any]:
         try:
@@ -67,22 +91,35 @@ class MetricsSink:
         return {k: Gauge(prometheus_name(k).removeprefix("ray_"), description=d, tag_keys=("run",))
                 for k, (d, _) in DASHBOARD_METRICS.items()}
 
-    def _start_wandb(self, config: dict[str, Any], run_dir: Path):
+    def _start_wandb(self, config: dict[str, Any], run_dir: Path, resume: bool):
         import wandb
 
         mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
+        run_id = self._run_id("wandb", resume, wandb.util.generate_id)
         return wandb.init(project=self.cfg.wandb_project, name=self.run_name, config=config, dir=str(run_dir),
-                          mode=mode, resume="allow")
+                          mode=mode, id=run_id, resume="allow")
 
-    def _start_mlflow(self, config: dict[str, Any]):
+    def _start_mlflow(self, config: dict[str, Any], resume: bool):
         import mlflow
 
         if self.cfg.mlflow_tracking_uri:
             mlflow.set_tracking_uri(self.cfg.mlflow_tracking_uri)
         mlflow.set_experiment("raygent")
+        path = self.run_dir / "mlflow_run_id"
+        if resume and path.exists():
+            return mlflow.start_run(run_id=path.read_text().strip())
         run = mlflow.start_run(run_name=self.run_name)
+        path.write_text(run.info.run_id)
         mlflow.log_params({k: str(v)[:250] for k, v in _flatten(config).items()})
         return run
+
+    def truncate(self, iteration: int) -> None:
+        """Forget the records after `iteration` (a restart from its checkpoint redoes them)."""
+        self.records = [r for r in self.records if int(r.get("iteration", 0)) <= iteration]
+        if self.cfg.jsonl:
+            tmp = self.path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in self.records))
+            os.replace(tmp, self.path)
 
     def log(self, record: dict[str, Any]) -> None:
         self.records.append(record)

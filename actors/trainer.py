@@ -30,6 +30,20 @@ class TrainMailbox:
         self.tasks = [asyncio.Queue() for _ in range(world_size)]
         self.results: dict[int, dict[int, Any]] = {}
         self.arrived = asyncio.Condition()
+        self.workers: dict[int, Any] = {}  # rank -> the worker actor's handle (to end a hung job)
+        self.failure: str | None = None  # the first traceback a rank reported before its job ended
+
+    def register(self, rank: int, worker: Any) -> None:
+        self.workers[rank] = worker
+
+    def worker_handles(self) -> list[Any]:
+        return list(self.workers.values())
+
+    def report_failure(self, rank: int, traceback: str) -> None:
+        self.failure = self.failure or f"rank {rank}: {traceback}"
+
+    def get_failure(self) -> str | None:
+        return self.failure
 
     def submit(self, task: dict[str, Any]) -> None:
         for queue in self.tasks:
@@ -169,6 +183,7 @@ def train_loop_per_worker(cfg: dict[str, Any]) -> None:
     torch.manual_seed(cfg["seed"])
     torch.set_num_threads(max(1, int(cfg.get("threads", 1))))
     mailbox = ray.get_actor(cfg["mailbox"], namespace=cfg["namespace"])
+    ray.get(mailbox.register.remote(rank, ray.get_runtime_context().current_actor))
     model, ref_model, device, strategy, autocast_dtype = setup_models(cfg, world)
     collective = Collective.from_torch()
     optim = OptimConfig.model_validate(cfg["optim"])
@@ -217,10 +232,13 @@ def train_loop_per_worker(cfg: dict[str, Any]) -> None:
                 copy_weights(model, ref_model)
             metrics = {}
         elif kind == "save_optimizer":
-            state = _optimizer_state(model, optimizer, strategy)
-            if rank == 0:
-                _atomic_torch_save(state, task["path"])
+            state = _optimizer_state(model, optimizer, strategy)  # a collective under FSDP: every rank gathers
             metrics = {}
+            if rank == 0:
+                try:
+                    _atomic_torch_save(state, task["path"])
+                except OSError as e:  # a full or read-only disk: the controller keeps the last checkpoint
+                    result["write_error"] = f"{type(e).__name__}: {e}"
         else:
             raise ValueError(f"unknown trainer task {kind!r}")
         result["metrics"] = metrics  # already global (all-reduced inside the steps)
@@ -239,10 +257,13 @@ def train_loop_per_worker(cfg: dict[str, Any]) -> None:
         started = time.perf_counter()
         try:
             result = run_task(task)
-        except Exception:  # reported, not fatal: the controller decides (a failed collective would hang anyway)
+        except Exception:
+            # Reported, then raised: the job ends (Ray Train stops the other ranks, which would otherwise wait in a
+            # collective forever) and the controller restarts it from the last checkpoint.
             import traceback
 
-            result = {"error": traceback.format_exc(limit=8)}
+            ray.get(mailbox.report_failure.remote(rank, traceback.format_exc(limit=8)))
+            raise
         result.setdefault("metrics", {})["seconds"] = time.perf_counter() - started
         ray.get(mailbox.put_result.remote(task["id"], rank, result))
 
@@ -254,6 +275,11 @@ def _atomic_torch_save(obj: Any, path: str) -> None:
     partial = f"{path}.partial"
     torch.save(obj, partial)
     os.replace(partial, path)
+
+
+class TrainerFailure(RuntimeError):
+    """The Train job failed, hung past its deadline, or ended: the controller restarts it from the last
+    checkpoint."""
 
 
 class TrainerGroup:
@@ -286,7 +312,9 @@ class TrainerGroup:
             scaling_config=ScalingConfig(num_workers=self.world, use_gpu=self.trainer_cfg.use_gpu,
                                          resources_per_worker=None if self.trainer_cfg.use_gpu else
                                          {"CPU": self.trainer_cfg.cpus_per_worker}),
-            torch_config=TorchConfig(backend="nccl" if self.trainer_cfg.use_gpu else "gloo"),
+            # a collective that waits longer than this raises on every rank (a hung or dead peer): the job ends
+            torch_config=TorchConfig(backend="nccl" if self.trainer_cfg.use_gpu else "gloo",
+                                     timeout_s=int(self.trainer_cfg.task_timeout_s)),
             run_config=RunConfig(name="trainer", storage_path=os.path.join(self.run_dir, "ray_train")),
         )
 
@@ -300,22 +328,54 @@ class TrainerGroup:
         self._thread = threading.Thread(target=fit, name="raygent-train-fit", daemon=True)
         self._thread.start()
 
-    async def run(self, task: dict[str, Any], poll_s: float = 5.0) -> list[Any]:
-        """Send `task` to every rank and wait for all their results (rank order)."""
+    async def run(self, task: dict[str, Any], poll_s: float = 5.0, timeout_s: float | None = None) -> list[Any]:
+        """Send `task` to every rank and wait for all their results (rank order). Raises `TrainerFailure` when a
+        rank fails, the job ends, or the task outlives its deadline (`trainer.task_timeout_s`); the job is then
+        ended, so nothing of it is left waiting."""
         task = {**task, "id": self._next_id}
         self._next_id += 1
+        deadline = time.monotonic() + (timeout_s or self.trainer_cfg.task_timeout_s)
         self.mailbox.submit.remote(task)
         while True:
-            results = await self.mailbox.wait_results.remote(task["id"], poll_s)
+            try:
+                results = await asyncio.wait_for(self.mailbox.wait_results.remote(task["id"], poll_s), poll_s + 30)
+            except (asyncio.TimeoutError, ray.exceptions.RayActorError) as e:
+                await self.kill()
+                raise TrainerFailure(f"the training job's mailbox stopped answering ({type(e).__name__})") from e
             if results is not None:
-                errors = [r["error"] for r in results if isinstance(r, dict) and "error" in r]
-                if errors:
-                    raise RuntimeError(f"trainer task {task['kind']!r} failed on a worker:\n{errors[0]}")
                 return results
-            if self.error is not None or (self._thread is not None and not self._thread.is_alive()):
-                raise RuntimeError(f"the training job stopped: {self.error!r}")
+            failure = await self.mailbox.get_failure.remote()
+            if failure is not None or self.error is not None or (
+                    self._thread is not None and not self._thread.is_alive()):
+                await self.kill()
+                raise TrainerFailure(f"trainer task {task['kind']!r} failed: {failure or repr(self.error)}")
+            if time.monotonic() > deadline:
+                await self.kill()
+                raise TrainerFailure(f"trainer task {task['kind']!r} did not finish within "
+                                     f"{timeout_s or self.trainer_cfg.task_timeout_s:.0f}s")
+
+    async def kill(self) -> None:
+        """End the job now: its workers (a hung collective never returns), then wait for `fit` to notice."""
+        try:
+            workers = await asyncio.wait_for(self.mailbox.worker_handles.remote(), 10)
+        except Exception:
+            workers = []
+        for worker in workers:
+            try:
+                ray.kill(worker, no_restart=True)
+            except Exception:
+                pass
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 120)
+        try:
+            ray.kill(self.mailbox)
+        except Exception:
+            pass
 
     async def stop(self) -> None:
         if self._thread is not None and self._thread.is_alive():
-            await self.run({"kind": "stop"})
+            try:
+                await self.run({"kind": "stop"}, timeout_s=120)
+            except TrainerFailure:
+                return
             await asyncio.to_thread(self._thread.join, 60)

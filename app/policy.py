@@ -37,7 +37,9 @@ class Policy:
             seed=self.config.seed,
         )
         self.tokenizer = self.engine.tokenizer
-        self.version = 0
+        self.version = self.config.initial_version
+        if self.config.sync_from:
+            self._sync_from_run()
         # The engine runs one batch at a time; weight updates wait for the running batch (and vice versa), so every
         # reply is produced by exactly one weight version.
         self._engine_lock = asyncio.Lock()
@@ -48,6 +50,24 @@ class Policy:
         except Exception:  # not inside Serve (in-process use in benchmarks)
             self.replica_id = "local"
         logger.info("policy replica %s: engine %s, model %s", self.replica_id, self.engine.name, self.model_path)
+
+    def _sync_from_run(self) -> None:
+        """A replica that (re)starts during a run serves the run's latest weights, not its starting ones: it asks
+        the run's controller before Serve routes it any request. At the very start there is no controller (or no
+        trained weights) yet, and the starting weights are the latest."""
+        import ray
+
+        try:
+            controller = ray.get_actor(self.config.sync_from, namespace="raygent")
+            latest = ray.get(controller.latest_weights_for_replica.remote(), timeout=120)
+            if latest is not None and latest["version"] > self.version:
+                self.engine.load_weights(ray.get(latest["weights"], timeout=300))
+                self.version = int(latest["version"])
+                logger.warning("policy replica synced to the run's weight version %d", self.version)
+        except ValueError:  # no such actor: the run has not started yet
+            pass
+        except Exception as e:  # the controller's next sync check catches up; never fail the replica for it
+            logger.warning("policy replica could not sync from %s (%s)", self.config.sync_from, e)
 
     # ---- generation -------------------------------------------------------------------------------------------
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:

@@ -12,7 +12,11 @@ HTTP ingress that starts the controller actor and exposes it (a third, `Retrieve
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
+import logging
 import time
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -20,38 +24,77 @@ from fastapi import FastAPI
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from actors.checkpoint import latest_checkpoint
-from actors.config import TrainConfig, load_train_config
+from actors.checkpoint import latest_checkpoint, load_state
+from actors.config import TrainConfig, check_resume_config, load_train_config
 from actors.controller import Controller
 from app.default_model import resolve_model
 from app.policy import Policy
 from app.retriever import Retriever
 
+logger = logging.getLogger("ray.serve")
 CONTROLLER_NAMESPACE = "raygent"
 STATUS_TIMEOUT_S = 2.0  # /status answers within this even while the controller is busy starting
 
 train_api = FastAPI(title="raygent training run", version="0.1")
 
 
+def controller_name(run_name: str) -> str:
+    return f"raygent-controller-{run_name}"
+
+
+def config_hash(config: dict[str, Any]) -> str:
+    """Which application a controller belongs to: the hash of its training config."""
+    return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
 @serve.deployment(ray_actor_options={"num_cpus": 0}, num_replicas=1)
 @serve.ingress(train_api)
 class TrainingRun:
+    """The run's HTTP routes, and the keeper of its controller: the controller is a named, detached actor whose
+    lifetime is the application's. A restarted ingress replica finds it (same config hash) and goes on with it; a
+    controller of an older application of the same name (another config) is replaced; a controller that died is
+    started again by the health check and resumes from the latest checkpoint; a controller whose application is
+    gone stops itself (checkpoint first) once the heartbeats of `check_health` stop coming."""
+
     def __init__(self, policy: DeploymentHandle, config: dict[str, Any], model_path: str, resume_from: str | None,
                  retriever: DeploymentHandle | None = None):
-        cfg = TrainConfig.model_validate(config)
-        # Named and detached: a restarted ingress replica finds the running controller instead of starting a second
-        # run; deleting the application (serve shutdown / Ctrl-C) ends it in __del__.
-        self.controller = Controller.options(
-            name=f"raygent-controller-{cfg.run_name}", namespace=CONTROLLER_NAMESPACE, lifetime="detached",
-            get_if_exists=True).remote(config, policy, model_path, resume_from, retriever)
-        self.controller.start.remote()
+        self.cfg = TrainConfig.model_validate(config)
+        self.config, self.policy, self.model_path, self.retriever = config, policy, model_path, retriever
+        self.config_hash = config_hash(config)
         self.started = time.time()
+        self.restarts = 0
+        self.controller = self._attach(resume_from)
 
-    def __del__(self):
+    def _attach(self, resume_from: str | None) -> Any:
+        name = controller_name(self.cfg.run_name)
         try:
-            ray.kill(self.controller)
-        except Exception:
+            existing = ray.get_actor(name, namespace=CONTROLLER_NAMESPACE)
+            same = ray.get(existing.config_hash.remote(), timeout=30) == self.config_hash
+            if same and not ray.get(existing.status.remote(), timeout=30)["done"]:
+                return existing  # this application's run, still going (the ingress restarted)
+            ray.kill(existing)  # an ended run, or the run of an older application of the same name
+        except ValueError:  # none yet
             pass
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            pass  # dead or unreachable: a new one takes its name
+        controller = Controller.options(name=name, namespace=CONTROLLER_NAMESPACE, lifetime="detached",
+                                        get_if_exists=False).remote(self.config, self.policy, self.model_path,
+                                                                    resume_from, self.retriever,
+                                                                    self.config_hash)
+        controller.start.remote()
+        return controller
+
+    async def check_health(self) -> None:
+        """Serve calls this every few seconds: a heartbeat to the controller, or a new controller if it died."""
+        try:
+            await asyncio.wait_for(self.controller.heartbeat.remote(), timeout=10)
+        except asyncio.TimeoutError:
+            pass  # busy (e.g. blocked in a long call): not dead
+        except ray.exceptions.RayActorError:
+            self.restarts += 1
+            latest = latest_checkpoint(self.cfg.run_dir) if self.cfg.checkpoint.resume != "never" else None
+            logger.warning("the run's controller died; starting it again from %s", latest or "the start")
+            self.controller = self._attach(str(latest) if latest else None)
 
     @train_api.get("/")
     @train_api.get("/status")
@@ -62,13 +105,16 @@ class TrainingRun:
         except asyncio.TimeoutError:
             return {"phase": "starting", "done": False, "detail": "the controller is starting",
                     "uptime_s": time.time() - self.started}
+        except ray.exceptions.RayActorError:
+            return {"phase": "recovering", "done": False, "detail": "the controller died; the health check starts "
+                    "it again from the latest checkpoint", "controller_restarts": self.restarts}
 
     @train_api.get("/metrics/history")
     async def history(self, since: int = 0) -> list[dict[str, Any]]:
         """Every logged record (from index `since`: a follower asks only for what is new)."""
         try:
             records = await asyncio.wait_for(self.controller.history.remote(), timeout=STATUS_TIMEOUT_S)
-        except asyncio.TimeoutError:
+        except (asyncio.TimeoutError, ray.exceptions.RayActorError):
             return []
         return records[max(0, since):]
 
@@ -104,8 +150,15 @@ def build_train_app(args: dict[str, Any]) -> serve.Application:
         resume_from = str(latest) if latest else None
     elif cfg.checkpoint.resume != "never":
         resume_from = cfg.checkpoint.resume
+    version = 0
+    if resume_from is not None:
+        state = load_state(Path(resume_from))
+        version = int(state.get("weight_version", 0))
+        if state.get("config") is not None:
+            check_resume_config(state["config"], cfg.model_dump(mode="json"))
     model_path = f"{resume_from}/model" if resume_from else resolve_model(cfg.policy.model)
-    policy_cfg = cfg.policy.model_copy(update={"model": model_path}).model_dump()
+    policy_cfg = cfg.policy.model_copy(update={"model": model_path, "initial_version": version,
+                                               "sync_from": controller_name(cfg.run_name)}).model_dump()
     config = cfg.model_dump(mode="json")
     retriever = Retriever.bind(cfg.retriever.model_dump()) if cfg.retriever else None
     return TrainingRun.bind(Policy.bind(policy_cfg), config, model_path, resume_from, retriever)

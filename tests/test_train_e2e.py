@@ -25,17 +25,28 @@ def write_config(tmp_path: Path, port: int, iterations: int, name: str = "config
                            iterations=iterations)
 
 
-def env_actor_pids() -> list[int]:
-    """Worker processes of live env-group actors (Ray titles them `ray::EnvGroupActor...`); the session cluster runs
-    without the dashboard, so the state API is not there to ask."""
+def pids_of(title: str) -> list[int]:
+    """Worker processes whose Ray process title starts with `title` (`ray::EnvGroupActor`, `ray::RayTrainWorker`,
+    `ray::ServeReplica:train:Policy`, `ray::Controller`); the session cluster runs without the dashboard, so the
+    state API is not there to ask."""
     import psutil
 
     pids = []
     for proc in psutil.process_iter(["cmdline"]):
         cmdline = " ".join(proc.info["cmdline"] or [])
-        if cmdline.startswith("ray::EnvGroupActor"):
+        if cmdline.startswith(title):
             pids.append(proc.pid)
     return pids
+
+
+def env_actor_pids() -> list[int]:
+    return pids_of("ray::EnvGroupActor")
+
+
+def kill_one(title: str) -> int:
+    pid = pids_of(title)[0]
+    os.kill(pid, signal.SIGKILL)
+    return pid
 
 
 def scrape_metrics() -> set[str]:
@@ -73,13 +84,24 @@ def test_train_kill_checkpoint_serve_and_resume(ray_cluster, serve_url, tmp_path
             history = httpx.get(f"{url}/metrics/history", timeout=5).json()
             if sum(r.get("faults/rerolled_groups", 0) + r.get("faults/dropped_groups", 0) for r in history):
                 break
+        # A policy replica killed while it serves a rollout: its requests are retried on the other one, and its
+        # replacement loads the run's latest weights before Serve routes anything to it.
+        wait_for(lambda: get_status(url)["phase"] == "rollout" or get_status(url)["done"], 600, "a rollout", run)
+        kill_one("ray::ServeReplica:train:Policy")
+        # A Train worker killed: the job ends, the controller starts a new one from the last checkpoint, rolls the
+        # run back to it and redoes the iterations after it.
+        wait_for(lambda: get_status(url)["iteration"] >= 2 or get_status(url)["done"], 600, "iteration 2", run)
+        kill_one("ray::RayTrainWorker")
         status = wait_for(lambda: (s := get_status(url))["done"] and s, 900, "the run to finish", run)
         assert status["phase"] == "done", status
         assert status["iteration"] == 4
 
         history = httpx.get(f"{url}/metrics/history", timeout=5).json()
         train = [r for r in history if r.get("phase") == "train"]
-        assert [r["iteration"] for r in train] == [1, 2, 3, 4], "an iteration was lost"
+        assert [r["iteration"] for r in train] == [1, 2, 3, 4], "an iteration was lost or repeated"
+        restarts = [r for r in history if r.get("phase") == "fault"]
+        assert restarts and restarts[-1]["faults/trainer_restarts"] >= 1, "the Train job was not restarted"
+        assert "synced to the run's weight version" in run.log.read_text(), "the new replica did not sync"
         assert sum(r["faults/rerolled_groups"] + r["faults/dropped_groups"] for r in train) > 0, \
             "the killed actor's groups were neither re-rolled nor counted as dropped"
         assert all(r["data/rows"] > 0 for r in train)
@@ -133,6 +155,11 @@ def test_train_kill_checkpoint_serve_and_resume(ray_cluster, serve_url, tmp_path
     serve.delete("train")  # whatever serve run left behind: the next status must come from the resumed run
     run = ServeRun(write_config(tmp_path, port, iterations=6, name="config2.yaml"), tmp_path / "run2.log", address)
     try:
+        # The controller killed: the ingress's health check starts it again, and it resumes from the latest
+        # checkpoint; the metrics after that checkpoint are cut, so no iteration is logged twice.
+        wait_for(lambda: get_status(url)["phase"] in ("rollout", "learning") and get_status(url)["iteration"] >= 4,
+                 600, "the resumed run to train", run)
+        kill_one("ray::Controller")
         status = wait_for(lambda: (s := get_status(url))["done"] and s["iteration"] >= 5 and s, 900,
                           "the resumed run to finish", run)
         assert status["phase"] == "done" and status["iteration"] == 6

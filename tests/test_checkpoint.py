@@ -1,0 +1,91 @@
+"""Checkpoints and run state on disk, without Ray: rotation keeps what the run still needs, a re-checkpoint never
+leaves its iteration without a checkpoint, a refused disk write loses nothing, a resume cuts the metrics back, and
+a resumed config may change only what does not change the objective."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from actors.checkpoint import latest_checkpoint, list_checkpoints, load_state, save_checkpoint
+from actors.config import LoggingConfig, check_resume_config
+from actors.metrics import MetricsSink
+
+
+@pytest.fixture()
+def template(tmp_path: Path) -> Path:
+    folder = tmp_path / "template"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"tie_word_embeddings": False}))
+    return folder
+
+
+def _save(run: Path, iteration: int, template: Path, keep: int, pinned=frozenset(), **kw) -> Path:
+    weights = {"w": np.full((2, 2), float(iteration), dtype=np.float32)}
+    return asyncio.run(save_checkpoint(run, iteration, weights, template, {"iteration": iteration}, keep,
+                                       pinned=pinned, **kw))
+
+
+def test_rotation_keeps_the_newest_and_the_pinned(tmp_path, template):
+    run = tmp_path / "run"
+    first = _save(run, 1, template, keep=1)
+    for it in (2, 3, 4):
+        _save(run, it, template, keep=1, pinned={first})
+    assert [p.name for p in list_checkpoints(run)] == ["iter_000001", "iter_000004"]
+    assert load_state(first)["layout_version"] == 2 and (first / "model" / "model.safetensors").exists()
+
+
+def test_recheckpointing_an_iteration_swaps_in_the_new_one(tmp_path, template, monkeypatch):
+    run = tmp_path / "run"
+    _save(run, 3, template, keep=2)
+    seen = []
+    real = __import__("os").replace
+
+    def watching_replace(src, dst):  # at every rename, a complete iter_000003 exists under some name
+        seen.append(any((p / "state.json").exists() for p in (run / "checkpoints").iterdir()))
+        return real(src, dst)
+
+    monkeypatch.setattr("actors.checkpoint.os.replace", watching_replace)
+    _save(run, 3, template, keep=2)
+    assert all(seen) and [p.name for p in list_checkpoints(run)] == ["iter_000003"]
+    assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(".")]
+
+
+def test_a_refused_write_keeps_the_previous_checkpoint(tmp_path, template):
+    run = tmp_path / "run"
+    good = _save(run, 1, template, keep=3)
+
+    async def full_disk(path: str) -> None:
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError, match="No space"):
+        _save(run, 2, template, keep=3, save_optimizer=full_disk)
+    assert latest_checkpoint(run) == good and load_state(good)["iteration"] == 1
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["iter_000001"]  # no half-written folder
+
+
+def test_resume_cuts_metrics_back_to_the_checkpoint(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    sink = MetricsSink(run, "r", LoggingConfig(), {}, resume_iteration=None)
+    for it in range(0, 6):
+        sink.log({"iteration": it, "phase": "train" if it else "baseline"})
+    resumed = MetricsSink(run, "r", LoggingConfig(), {}, resume_iteration=3)
+    assert [r["iteration"] for r in resumed.records] == [0, 1, 2, 3]
+    assert [json.loads(line)["iteration"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2, 3]
+    resumed.truncate(1)
+    assert [r["iteration"] for r in resumed.records] == [0, 1]
+
+
+def test_resume_refuses_a_changed_objective_and_names_it():
+    assert check_resume_config({"iterations": 4}, {"iterations": 8, "optim": {"micro_batch_size": 8},
+                                                   "trainer": {"num_workers": 1, "strategy": "none"}}) == [
+        "iterations", "optim.micro_batch_size", "trainer.num_workers", "trainer.strategy"]
+    with pytest.raises(ValueError) as err:
+        check_resume_config({}, {"optim": {"lr": 1e-3}, "algorithm": {"estimator": "grpo"}})
+    assert "args.optim.lr" in str(err.value) and "args.algorithm.estimator" in str(err.value)
+    assert "checkpoint.resume: never" in str(err.value)
