@@ -66,6 +66,20 @@ def read_agent_card(folder: str | Path) -> Any:
     return AgentCard.model_validate_json(path.read_text())
 
 
+def load_model_weights(model_dir: str | Path) -> dict[str, np.ndarray]:
+    """A checkpoint's weights as the trainer hands them to the replicas: every parameter, a tied head included
+    (the file stores it once, as HF does; an engine reloading weights in place must get it again, or it keeps the
+    head it had)."""
+    from safetensors.numpy import load_file
+
+    model_dir = Path(model_dir)
+    weights = load_file(str(model_dir / "model.safetensors"))
+    config = json.loads((model_dir / "config.json").read_text())
+    if config.get("tie_word_embeddings") and "lm_head.weight" not in weights:
+        weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
+    return weights
+
+
 def save_model(weights: dict[str, np.ndarray], template_dir: Path, out_dir: Path, card: Any = None) -> None:
     from safetensors.numpy import save_file
 

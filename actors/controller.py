@@ -23,6 +23,7 @@ import envs
 from actors.batch import build_batch, split_for_workers
 from actors.checkpoint import (
     latest_checkpoint,
+    load_model_weights,
     load_state,
     reference_model_of,
     save_checkpoint,
@@ -259,9 +260,7 @@ class Controller:
         versions = [i["version"] for i in infos if isinstance(i, dict)]
         if not always and versions and all(v == self.version for v in versions):
             return
-        from safetensors.numpy import load_file
-
-        weights = await asyncio.to_thread(load_file, str(Path(checkpoint) / "model" / "model.safetensors"))
+        weights = await asyncio.to_thread(load_model_weights, Path(checkpoint) / "model")
         self.version = max([self.version, *versions])
         await self._broadcast(ray.put(weights))
         self._checkpointed_version = self.version

@@ -17,6 +17,7 @@ never sample alike, and the same (env seed, sampling seed) replays the same epis
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -169,8 +170,15 @@ async def play_all(make: Callable[[int], tuple[Any, Any, Decide, int, int | None
 
 
 def run_sync(coroutine: Awaitable[Any]) -> Any:
-    """Run the runner from synchronous code (scripts, `raygent sft`, the tokenizer corpus)."""
-    return asyncio.run(coroutine)  # type: ignore[arg-type]
+    """Run the runner from synchronous code (scripts, `raygent sft`, the tokenizer corpus). Synchronous code can
+    itself be running inside an event loop (a Serve replica's constructor building the default model), where
+    asyncio.run refuses: then the coroutine runs on its own loop in a worker thread."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coroutine)  # type: ignore[arg-type]
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coroutine).result()  # type: ignore[arg-type]
 
 
 class Coalescer:

@@ -13,6 +13,7 @@ import logging
 import os
 import threading
 import time
+import uuid
 from typing import Any
 
 import numpy as np
@@ -289,7 +290,8 @@ class TrainerGroup:
         self.world = trainer_cfg.num_workers
         self.trainer_cfg = trainer_cfg
         self.namespace = ray.get_runtime_context().namespace
-        self.mailbox_name = f"raygent-mailbox-{run_name}-{os.getpid()}-{int(time.time())}"
+        self.job_id = uuid.uuid4().hex[:8]  # one per job: a restarted job gets its own mailbox and Train run
+        self.mailbox_name = f"raygent-mailbox-{run_name}-{self.job_id}"
         self.mailbox = TrainMailbox.options(name=self.mailbox_name, namespace=self.namespace).remote(self.world)
         self.worker_cfg = {**worker_cfg, "mailbox": self.mailbox_name, "namespace": self.namespace,
                            "use_gpu": trainer_cfg.use_gpu, "strategy": trainer_cfg.strategy}
@@ -315,7 +317,7 @@ class TrainerGroup:
             # a collective that waits longer than this raises on every rank (a hung or dead peer): the job ends
             torch_config=TorchConfig(backend="nccl" if self.trainer_cfg.use_gpu else "gloo",
                                      timeout_s=int(self.trainer_cfg.task_timeout_s)),
-            run_config=RunConfig(name="trainer", storage_path=os.path.join(self.run_dir, "ray_train")),
+            run_config=RunConfig(name=f"trainer-{self.job_id}", storage_path=os.path.join(self.run_dir, "ray_train")),
         )
 
         def fit() -> None:

@@ -31,7 +31,7 @@ from typing import Any, Literal
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -78,13 +78,46 @@ class AgentConfig(BaseModel):
                                                                 "`retriever: serve` (default: the card's)")
 
 
-def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error") -> JSONResponse:
+def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+           headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}},
-                        status_code=status)
+                        status_code=status, headers=headers)
+
+
+def _first_unencodable(value: Any, where: str = "") -> str | None:
+    """The path of the first string (key or value) that is not valid UTF-8, e.g. a lone surrogate from a JSON
+    escape like "\\ud800": the tokenizer and the response encoder cannot handle it."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return where or "body"
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            path = f"{where}.{key}" if where else str(key)
+            bad = _first_unencodable(key, where or "body") or _first_unencodable(item, path)
+            if bad:  # a bad key is reported at its parent, so the path itself is always encodable
+                return bad
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            bad = _first_unencodable(item, f"{where}[{i}]")
+            if bad:
+                return bad
+    return None
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # strict: a JSON `true` is not the integer 1 and "0" is not 0 (pydantic's lax mode would coerce both);
+    # unknown fields are ignored, as OpenAI clients send fields this server does not use
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _utf8_only(cls, data: Any) -> Any:
+        bad = _first_unencodable(data)
+        if bad:
+            raise ValueError(f"{bad} is not valid UTF-8 text (a lone surrogate escape?)")
+        return data
 
 
 class ChatMessage(_Strict):
@@ -124,8 +157,9 @@ class CompletionRequest(_SamplingRequest):
 
 
 class _AgentRequest(_Strict):
-    env: str | None = Field(None, description="env name (default: the agent card's); fixes the prompt template and "
-                                              "the parser")
+    env: str | None = Field(None, min_length=1, max_length=200,
+                            description="env name (default: the agent card's); fixes the prompt template and the "
+                                        "parser")
     env_kwargs: dict[str, Any] = Field(default_factory=dict, description="on top of the card's; only the keys the "
                                                                          "server allows")
     temperature: float | None = Field(None, ge=0.0, le=2.0, description="default: the card's validation sampling")
@@ -133,7 +167,7 @@ class _AgentRequest(_Strict):
 
 
 class ActRequest(_AgentRequest):
-    session_id: str | None = Field(None, max_length=128, description="omit to start a new session")
+    session_id: str | None = Field(None, min_length=8, max_length=128, description="omit to start a new session")
     seed: int | None = Field(None, description="start a server-side session: the server resets its env with this "
                                                "seed and steps it with each reply")
     observation: str | None = Field(None, min_length=1, description="client-side env: the observation to act on")
@@ -171,7 +205,45 @@ class _Session:
     over: bool = False
 
 
-fastapi_app = FastAPI(title="raygent agent", version="0.1")
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class ErrorBody(BaseModel):
+    """Every 4xx: what is wrong and which parameter."""
+
+    error: ErrorDetail
+
+
+def _errors(*codes: int) -> dict[int, dict[str, Any]]:
+    text = {400: "invalid request (the message says what to fix)", 401: "missing or wrong bearer token",
+            404: "unknown model or session", 409: "the session's episode is over", 411: "no Content-Length",
+            413: "request body too large"}
+    return {c: {"model": ErrorBody, "description": text[c]} for c in codes}
+
+
+BODY_ERRORS = _errors(400, 401, 404, 411, 413)  # routes with a JSON body
+GET_ERRORS = _errors(401)
+
+
+class _AgentOpenAPI(FastAPI):
+    """The OpenAPI document tells the truth: a request that fails validation gets a 400 with our error body (the
+    handler below), never FastAPI's 422, so 422 is not declared."""
+
+    def openapi(self) -> dict[str, Any]:
+        if self.openapi_schema is None:
+            schema = super().openapi()
+            for methods in schema.get("paths", {}).values():
+                for operation in methods.values():
+                    operation.get("responses", {}).pop("422", None)
+            self.openapi_schema = schema
+        return self.openapi_schema
+
+
+fastapi_app = _AgentOpenAPI(title="raygent agent", version="0.1")
 
 
 @fastapi_app.middleware("http")
@@ -215,7 +287,8 @@ async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
 
 @fastapi_app.exception_handler(StarletteHTTPException)
 async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-    return _error(exc.status_code, str(exc.detail))
+    # keeps the exception's headers: a 405 says which methods the route allows (Allow, RFC 9110)
+    return _error(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
 
 
 def _usage(replies: list[dict[str, Any]]) -> dict[str, int]:
@@ -307,12 +380,12 @@ class AgentAPI:
         return [self.tokenizer.decode([t]) for t in ids]
 
     # ---- OpenAI-compatible -----------------------------------------------------------------------------------
-    @fastapi_app.get("/v1/models")
+    @fastapi_app.get("/v1/models", responses=GET_ERRORS)
     async def models(self) -> dict[str, Any]:
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
                                             "owned_by": "raygent"}]}
 
-    @fastapi_app.post("/v1/chat/completions")
+    @fastapi_app.post("/v1/chat/completions", responses=BODY_ERRORS)
     async def chat_completions(self, req: ChatCompletionRequest):
         self._check_model(req.model)
         sampling = self._sampling(req, req.max_completion_tokens or req.max_tokens)
@@ -335,7 +408,7 @@ class AgentAPI:
         return {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name,
                 "choices": choices, "usage": usage, "system_fingerprint": f"v{replies[0]['weight_version']}"}
 
-    @fastapi_app.post("/v1/completions")
+    @fastapi_app.post("/v1/completions", responses=BODY_ERRORS)
     async def completions(self, req: CompletionRequest):
         self._check_model(req.model)
         sampling = self._sampling(req, req.max_tokens)
@@ -363,7 +436,7 @@ class AgentAPI:
                 "choices": choices, "usage": usage}
 
     # ---- the agent: its env, memory and sampling ---------------------------------------------------------------
-    @fastapi_app.get("/v1/agent")
+    @fastapi_app.get("/v1/agent", responses=GET_ERRORS)
     async def agent(self) -> dict[str, Any]:
         """The agent card of the served model folder (null for a model without one) and what requests may set."""
         return {"model": self.model_name, "card": self.card.model_dump() if self.card else None,
@@ -427,7 +500,7 @@ class AgentAPI:
         return out
 
     # ---- whole episodes ------------------------------------------------------------------------------------------
-    @fastapi_app.post("/v1/episodes")
+    @fastapi_app.post("/v1/episodes", responses=BODY_ERRORS)
     async def episodes(self, req: EpisodeRequest) -> dict[str, Any]:
         name = self._env_name(req.env)
         env = self._make_env(name, req.env_kwargs, req.split)
@@ -536,15 +609,12 @@ class AgentAPI:
                 "valid": action is not None, "valid_format": action is not None,
                 "weight_version": decision.weight_version}
 
-    @fastapi_app.post("/v1/act")
+    @fastapi_app.post("/v1/act", responses={**BODY_ERRORS, **_errors(409)})
     async def act(self, req: ActRequest) -> dict[str, Any]:
         self._expire_sessions()
         sid = req.session_id
         session = self.sessions.get(sid) if sid else None
         if session is None:
-            if sid is not None and len(sid) < 8:
-                raise _BadRequest("session_id must be at least 8 characters (or omit it to start a session)",
-                                  "session_id")
             session = self._new_session(req)
             sid = sid or uuid.uuid4().hex
             self.sessions[sid] = session
@@ -557,7 +627,7 @@ class AgentAPI:
             return await self._act_server_side(sid, session, req)
         return await self._act_client_side(sid, session, req)
 
-    @fastapi_app.delete("/v1/act/{session_id}")
+    @fastapi_app.delete("/v1/act/{session_id}", responses=_errors(401, 404))
     async def end_session(self, session_id: str) -> dict[str, Any]:
         if self._drop(session_id) is None:
             raise _BadRequest(f"no session {session_id!r} (it may have expired)", "session_id", 404)

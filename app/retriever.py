@@ -40,10 +40,9 @@ def _passages(config: RetrieverConfig) -> list[str]:
     return retrieval.load_corpus(config.corpus)
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 0.25})
-@serve.ingress(api)
-class Retriever:
-    """One index per replica; `search` (handle) and ``POST /retrieve`` (HTTP) both go through the batcher."""
+class _Index:
+    """One index per replica; `search` (handle) and, on the HTTP server, ``POST /retrieve`` both go through the
+    batcher."""
 
     def __init__(self, config: dict[str, Any] | RetrieverConfig):
         self.config = config if isinstance(config, RetrieverConfig) else RetrieverConfig(**config)
@@ -76,6 +75,16 @@ class Retriever:
         k = self._check(queries, k)
         return list(await asyncio.gather(*(self._batched((q, k)) for q in queries)))
 
+
+
+# Inside another application (the training app, the agent endpoint) the retriever is reached by handle only: an
+# application has one HTTP ingress. On its own (`serve_configs/retriever.yaml`) it is that ingress.
+Retriever = serve.deployment(name="Retriever", ray_actor_options={"num_cpus": 0.25})(_Index)
+
+
+@serve.deployment(name="Retriever", ray_actor_options={"num_cpus": 0.25})
+@serve.ingress(api)
+class RetrieverServer(_Index):
     @api.post("/retrieve")
     async def retrieve(self, request: RetrieveRequest) -> dict[str, Any]:
         from fastapi import HTTPException
@@ -94,7 +103,7 @@ class Retriever:
 def build_retriever_app(args: dict[str, Any]) -> Application:
     """The Serve application for `serve_configs/retriever.yaml`; a bad config fails here, naming the field."""
     config = RetrieverConfig(**args)
-    return Retriever.bind(config.model_dump())
+    return RetrieverServer.bind(config.model_dump())
 
 
 class RetrieverClient:

@@ -355,10 +355,11 @@ def plot_compare(runs: dict[str, list[dict[str, Any]]], out: dict[str, Any], pat
         n = min(len(r["curve"]["val_success"]) for r in rs)
         x = np.mean([r["curve"]["env_steps"][:n] for r in rs], axis=0)
         y = np.array([r["curve"]["val_success"][:n] for r in rs])
+        sd = y.std(0, ddof=1) if len(rs) > 1 else np.zeros(n)  # sample std over seeds
         ax.plot(x, y.mean(0), "o-", label=f"{name} (n={len(rs)})")
-        ax.fill_between(x, y.mean(0) - y.std(0), y.mean(0) + y.std(0), alpha=0.15)
+        ax.fill_between(x, y.mean(0) - sd, y.mean(0) + sd, alpha=0.15)
         share = [r["curve"]["step_group_share"] for r in rs if any(v is not None for v in r["curve"]["step_group_share"])]
-        if name.startswith("gigpo") and share:
+        if name.startswith(("gigpo", "hgpo")) and share:
             m = min(len(s) for s in share)
             ax2.plot(range(1, m + 1), np.mean([s[:m] for s in share], axis=0), label=f"{name}: share of rows")
     random_level = next((r["random_policy_success"] for rs in runs.values() for r in rs
@@ -372,7 +373,7 @@ def plot_compare(runs: dict[str, list[dict[str, Any]]], out: dict[str, Any], pat
     ax.set_ylabel("held-out success rate")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    ax.set_title("validation success, mean +- std over seeds")
+    ax.set_title("validation success, mean +- sample std over seeds")
     ax2.set_xlabel("iteration")
     ax2.set_ylabel("share of step rows in step groups of size > 1")
     ax2.set_ylim(0, 1)

@@ -31,6 +31,8 @@ def _records(n_groups: int, group_size: int, seed: int = 0) -> pa.Table:
                 rows["traj_id"].append(g * group_size + m)
                 rows["step"].append(step)
                 rows["weight_version"].append(0)
+                rows["env_seed"].append(2 * g)
+                rows["sampling_seed"].append(g * group_size + m)
     return pa.table(rows, schema=RECORD_SCHEMA)
 
 

@@ -89,3 +89,17 @@ def test_resume_refuses_a_changed_objective_and_names_it():
         check_resume_config({}, {"optim": {"lr": 1e-3}, "algorithm": {"estimator": "grpo"}})
     assert "args.optim.lr" in str(err.value) and "args.algorithm.estimator" in str(err.value)
     assert "checkpoint.resume: never" in str(err.value)
+
+
+def test_checkpoint_weights_come_back_with_a_tied_head(tmp_path):
+    """The file stores a tied head once (as HF does); the weights handed to replicas carry it again, or an engine
+    reloading in place keeps the head it had (measured: a 0.006 log-prob gap after a Train restart)."""
+    from safetensors.numpy import save_file
+
+    from actors.checkpoint import load_model_weights
+
+    embed = np.arange(6, dtype=np.float32).reshape(3, 2)
+    save_file({"model.embed_tokens.weight": embed}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({"tie_word_embeddings": True}))
+    weights = load_model_weights(tmp_path)
+    np.testing.assert_array_equal(weights["lm_head.weight"], embed)

@@ -55,3 +55,16 @@ def test_tokenizer_corpus_is_byte_identical():
     assert len(texts) == 1828
     assert hashlib.sha256(json.dumps(texts).encode()).hexdigest() == (
         "fbfc1d1d9093254cbae80bc238c86b600cdd2aa6844ba327fa0e34a34d61e6c8")
+
+
+def test_model_builds_from_inside_an_event_loop():
+    """A Serve replica's constructor runs inside an event loop; building the default model there (a fresh machine
+    whose cache lacks the preset) must not trip asyncio.run's "cannot be called from a running event loop"."""
+    import asyncio
+
+    from app.default_model import tokenizer_corpus
+
+    async def inside_a_loop() -> int:
+        return len(tokenizer_corpus())
+
+    assert asyncio.run(inside_a_loop()) == 1828

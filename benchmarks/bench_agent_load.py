@@ -1,0 +1,162 @@
+"""The agent endpoint under load, as a user runs it: `serve run serve_configs/agent.yaml` (its own local Ray
+cluster), then N concurrent clients for S seconds alternating `POST /v1/chat/completions` and `POST /v1/act`
+(client-side sessions: a new one per request, ended or not), short replies.
+
+Reports requests, errors (goal 0), latency p50 / p99, and the resident memory of the Serve processes (replicas and
+proxy) before and after (goal: flat within 10%). Writes benchmarks/results/bench_agent_load.json.
+
+    python benchmarks/bench_agent_load.py                        # 64 clients, 60 s, 8 tokens
+    python benchmarks/bench_agent_load.py --clients 16 --seconds 20 --keep-sessions
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+RESULTS = REPO_ROOT / "benchmarks" / "results"
+OBSERVATION = "######\n#P_X_#\n#__O_#\n######"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_rss_mib() -> dict[str, float]:
+    """Resident memory of the Serve processes of this machine (replicas, proxy), by process title."""
+    import psutil
+
+    out: dict[str, float] = {}
+    for proc in psutil.process_iter(["cmdline", "memory_info"]):
+        title = " ".join(proc.info["cmdline"] or [])
+        if title.startswith(("ray::ServeReplica", "ray::SERVE_REPLICA", "ray::ProxyActor")):
+            name = title.split()[0].split(".")[0]
+            out[name] = out.get(name, 0.0) + proc.info["memory_info"].rss / 2**20
+    return out
+
+
+def client(url: str, deadline: float, k: int, end_sessions: bool, tokens: int, out: list, errors: list) -> None:
+    import httpx
+
+    with httpx.Client(base_url=url, timeout=120) as http:
+        i = 0
+        while time.time() < deadline:
+            started = time.perf_counter()
+            route = "chat" if (k + i) % 2 == 0 else "act"
+            try:
+                if route == "chat":
+                    r = http.post("/v1/chat/completions", json={
+                        "messages": [{"role": "user", "content": f"client {k} request {i}"}], "max_tokens": tokens})
+                else:
+                    r = http.post("/v1/act", json={"env": "sokoban", "observation": OBSERVATION,
+                                                   "max_tokens": tokens})
+                    if r.status_code == 200 and end_sessions:
+                        http.delete(f"/v1/act/{r.json()['session_id']}")
+                if r.status_code >= 300:
+                    errors.append(f"{route} {r.status_code}: {r.text[:200]}")
+                else:
+                    out.append((route, time.perf_counter() - started))
+            except Exception as e:  # a dropped connection or a timeout counts as an error
+                errors.append(f"{route} {type(e).__name__}: {e}")
+            i += 1
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--clients", type=int, default=64)
+    parser.add_argument("--seconds", type=float, default=60.0)
+    parser.add_argument("--tokens", type=int, default=8)
+    parser.add_argument("--keep-sessions", action="store_true", help="never DELETE the /v1/act sessions")
+    parser.add_argument("--name", default="bench_agent_load")
+    args = parser.parse_args()
+
+    import httpx
+
+    spec = yaml.safe_load((REPO_ROOT / "serve_configs" / "agent.yaml").read_text())
+    port = free_port()
+    spec["http_options"]["port"] = port
+    work = Path(tempfile.mkdtemp(prefix="raygent-bench-load-"))
+    config = work / "agent.yaml"
+    config.write_text(yaml.safe_dump(spec))
+    log = work / "serve.log"
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.Popen([str(Path(sys.executable).with_name("serve")), "run", str(config)], cwd=REPO_ROOT,
+                            env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        started = time.time()
+        while True:
+            if proc.poll() is not None:
+                raise SystemExit(f"serve run exited; see {log}")
+            try:
+                if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.time() - started > 600:
+                raise SystemExit(f"the endpoint did not come up in 10 minutes; see {log}")
+            time.sleep(2)
+        first = time.perf_counter()
+        httpx.post(f"{url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                      "max_tokens": args.tokens}, timeout=120)
+        first_s = time.perf_counter() - first
+        before = serve_rss_mib()
+        latencies: list[tuple[str, float]] = []
+        errors: list[str] = []
+        deadline = time.time() + args.seconds
+        threads = [threading.Thread(target=client, args=(url, deadline, k, not args.keep_sessions, args.tokens,
+                                                         latencies, errors)) for k in range(args.clients)]
+        t0 = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        wall = time.perf_counter() - t0
+        after = serve_rss_mib()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+    def pct(values: list[float], q: float) -> float | None:
+        return statistics.quantiles(values, n=100)[q - 1] if len(values) >= 2 else None
+
+    all_s = [s for _, s in latencies]
+    result: dict[str, Any] = {
+        "clients": args.clients, "seconds": args.seconds, "tokens": args.tokens,
+        "sessions_ended": not args.keep_sessions, "requests": len(latencies), "errors": len(errors),
+        "error_examples": errors[:5], "requests_per_s": len(latencies) / wall, "first_request_s": first_s,
+        "p50_s": pct(all_s, 50), "p99_s": pct(all_s, 99),
+        "by_route": {route: {"requests": len(v), "p50_s": pct(v, 50), "p99_s": pct(v, 99)}
+                     for route in ("chat", "act") for v in [[s for r, s in latencies if r == route]]},
+        "serve_rss_mib_before": before, "serve_rss_mib_after": after,
+        "serve_rss_growth": (sum(after.values()) / max(1e-9, sum(before.values()))) - 1 if before else None,
+        "machine_cpus": os.cpu_count(),
+    }
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{args.name}.json").write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps({k: v for k, v in result.items() if k not in ("by_route", "error_examples")}, indent=1))
+    print(f"wrote benchmarks/results/{args.name}.json")
+
+
+if __name__ == "__main__":
+    main()
