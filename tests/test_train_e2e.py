@@ -117,7 +117,11 @@ def test_train_kill_checkpoint_serve_and_resume(ray_cluster, serve_url, tmp_path
         versions = {i["version"] for i in policy.broadcast("info").results()}
         warm_start_broadcasts = sum(r.get("phase") == "warm_start" for r in history)
         assert warm_start_broadcasts == 1
-        assert versions == {status["weight_version"]} and status["weight_version"] == 4 + warm_start_broadcasts
+        # Each restart from a checkpoint puts that checkpoint's weights on the replicas under a new version, so
+        # versions only ever grow (rows sampled before the restart read as stale).
+        restores = sum(r.get("faults/restored_from") is not None for r in restarts)
+        assert versions == {status["weight_version"]}
+        assert status["weight_version"] == 4 + warm_start_broadcasts + restores, (status, restores)
 
         checkpoint = Path(status["last_checkpoint"])
         assert checkpoint.name == "iter_000004"
