@@ -241,6 +241,10 @@ class VLLMEngine:
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         else:
             kwargs["kv_cache_memory_bytes"] = kv_cache_bytes
+            # A prefill cut across engine steps rewinds a seeded request's generator, which a CPU torch.Generator
+            # cannot do ("CPU Generator does not use offset", vLLM 0.32): every seeded reply of a batch whose
+            # prompts exceed one step's token budget failed. Unchunked, a prompt waits for a step it fits in.
+            kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(max_model_len, 4096))
         self.llm = LLM(**kwargs)
         self.tokenizer = self.llm.get_tokenizer()
 

