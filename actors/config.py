@@ -113,6 +113,9 @@ class RolloutConfig(_Section):
     max_tokens: int = Field(16, ge=1, description="reply length limit per step")
     requests_per_step: int = Field(2, ge=1, description="concurrent policy calls per actor and step (spread "
                                                          "the live prompts over the replicas)")
+    policy_timeout_s: float = Field(300.0, gt=0, description="deadline of one policy call (a batch of prompts); "
+                                                              "past it the call is retried once, then the "
+                                                              "actor's groups are redone or dropped")
 
     @model_validator(mode="after")
     def _enough_groups(self) -> RolloutConfig:

@@ -276,7 +276,7 @@ class Controller:
         return EnvGroupActor.options(num_cpus=cfg.rollout.env_actor_cpus, runtime_env={"env_vars": {
             "RAYGENT_FRAMEWORK_LOG_LEVEL": cfg.logging.framework_level}}).remote(
             cfg.env.name, cfg.env_kwargs, cfg.memory.name, cfg.memory.kwargs, self.model_path, self.policy,
-            cfg.policy.max_model_len, self.retriever)
+            cfg.policy.max_model_len, self.retriever, cfg.rollout.policy_timeout_s)
 
     async def _run(self) -> None:
         cfg = self.cfg

@@ -59,7 +59,8 @@ RECORD_SCHEMA = pa.schema([
 @ray.remote(max_restarts=-1, max_task_retries=0)
 class EnvGroupActor:
     def __init__(self, env_name: str, env_kwargs: dict[str, Any], memory_name: str, memory_kwargs: dict[str, Any],
-                 model_path: str, policy: Any, max_model_len: int, retriever: Any = None):
+                 model_path: str, policy: Any, max_model_len: int, retriever: Any = None,
+                 policy_timeout_s: float = 300.0):
         import os
 
         from transformers import AutoTokenizer
@@ -70,6 +71,7 @@ class EnvGroupActor:
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.policy = policy
         self.max_model_len = max_model_len
+        self.policy_timeout_s = policy_timeout_s
         self.retriever = retriever  # the Retriever deployment's handle, for envs with `retriever: serve`
         self._pools: dict[str, list[Any]] = {}  # env instances reused across rollouts (some are costly to build)
 
@@ -86,7 +88,8 @@ class EnvGroupActor:
     async def _send(self, prompts: list[list[int]], samplings: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for attempt in range(2):  # one retry: a replica may be restarting
             try:
-                return await self.policy.generate.remote(prompts, samplings)
+                # a deadline: an engine that stopped answering must not hang the rollout (and the run) forever
+                return await asyncio.wait_for(self.policy.generate.remote(prompts, samplings), self.policy_timeout_s)
             except Exception as e:
                 if attempt == 1:
                     raise

@@ -182,9 +182,11 @@ def run_sync(coroutine: Awaitable[Any]) -> Any:
 
 
 class Coalescer:
-    """Many coroutines' single-prompt `generate` calls become few batched requests: whatever prompts are waiting
-    when the event loop gets round to it go out together, in up to `chunks` concurrent requests (one per replica).
-    `send(prompts, samplings)` makes one request. Also measures the time with a request in flight."""
+    """Many coroutines' single-prompt `generate` calls become few batched requests, at most `chunks` in flight
+    (one per replica). Prompts that arrive while every slot is busy wait for the next free slot, so the episodes a
+    reply wakes go out together: a fixed split of every flush would halve the requests at each step as replies come
+    back at different times (64, 32, 16, ... prompts per request). `send(prompts, samplings)` makes one request.
+    Also measures the time with a request in flight."""
 
     def __init__(self, send: Callable[[list[list[int]], list[dict[str, Any]]], Awaitable[list[dict[str, Any]]]],
                  chunks: int = 1):
@@ -194,26 +196,31 @@ class Coalescer:
         self._in_flight, self._busy_since, self.busy_seconds = 0, 0.0, 0.0
 
     async def generate(self, prompt: list[int], sampling: dict[str, Any]) -> dict[str, Any]:
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
+        future = asyncio.get_running_loop().create_future()
         self._pending.append((prompt, sampling, future))
-        if not self._scheduled:
+        self._schedule()
+        return await future
+
+    def _schedule(self) -> None:
+        if not self._scheduled and self._pending and self._in_flight < self.chunks:
             # call_soon runs after every coroutine already woken by the last replies: they all join this request
             self._scheduled = True
-            loop.call_soon(self._flush)
-        return await future
+            asyncio.get_running_loop().call_soon(self._flush)
 
     def _flush(self) -> None:
         self._scheduled = False
+        free = self.chunks - self._in_flight
+        if free <= 0 or not self._pending:
+            return
         items, self._pending = self._pending, []
-        for part in np.array_split(np.arange(len(items)), min(self.chunks, len(items))):
+        for part in np.array_split(np.arange(len(items)), min(free, len(items))):
             if len(part):
+                if self._in_flight == 0:
+                    self._busy_since = time.perf_counter()
+                self._in_flight += 1
                 asyncio.ensure_future(self._request([items[i] for i in part]))
 
     async def _request(self, items: list[tuple[list[int], dict[str, Any], asyncio.Future]]) -> None:
-        if self._in_flight == 0:
-            self._busy_since = time.perf_counter()
-        self._in_flight += 1
         try:
             replies = await self.send([p for p, _, _ in items], [s for _, s, _ in items])
             for (_, _, future), reply in zip(items, replies, strict=True):
@@ -227,6 +234,7 @@ class Coalescer:
             self._in_flight -= 1
             if self._in_flight == 0:
                 self.busy_seconds += time.perf_counter() - self._busy_since
+            self._schedule()  # prompts that waited for a free slot
 
 
 # ---- deciders ---------------------------------------------------------------------------------------------------

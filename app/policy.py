@@ -43,6 +43,7 @@ class Policy:
         # The engine runs one batch at a time; weight updates wait for the running batch (and vice versa), so every
         # reply is produced by exactly one weight version.
         self._engine_lock = asyncio.Lock()
+        self._engine_error: str | None = None
         self._generate_batch.set_max_batch_size(self.config.max_batch_size)
         self._generate_batch.set_batch_wait_timeout_s(self.config.batch_wait_timeout_s)
         try:
@@ -69,6 +70,11 @@ class Policy:
         except Exception as e:  # the controller's next sync check catches up; never fail the replica for it
             logger.warning("policy replica could not sync from %s (%s)", self.config.sync_from, e)
 
+    def check_health(self) -> None:
+        """Serve's health check: a replica whose engine failed is replaced (and the new one syncs from the run)."""
+        if self._engine_error is not None:
+            raise RuntimeError(f"the engine failed: {self._engine_error}")
+
     # ---- generation -------------------------------------------------------------------------------------------
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         return encode_chat(self.tokenizer, messages)
@@ -81,9 +87,17 @@ class Policy:
         async with self._engine_lock:
             version = self.version
             started = time.perf_counter()
-            completions = await asyncio.to_thread(
-                self.engine.generate, [ids for ids, _ in items], [params for _, params in items]
-            )
+            try:
+                completions = await asyncio.to_thread(
+                    self.engine.generate, [ids for ids, _ in items], [params for _, params in items]
+                )
+            except Exception as e:
+                if isinstance(e, ValueError) or any(c.__name__ == "VLLMClientError" for c in type(e).__mro__):
+                    raise  # the request's fault: the engine is fine
+                # the engine's own failure: its state is unknown, so the replica reports unhealthy and Serve
+                # replaces it
+                self._engine_error = f"{type(e).__name__}: {e}"
+                raise
             seconds = time.perf_counter() - started
         return [self._reply(c, version, seconds, len(items)) for c in completions]
 
@@ -97,6 +111,8 @@ class Policy:
                              f"{self.config.max_model_len}; shorten the prompt or lower max_tokens")
         if not ids:
             raise ValueError("empty prompt")
+        if min(ids) < 0 or max(ids) >= len(self.tokenizer):
+            raise ValueError(f"token ids must be in [0, {len(self.tokenizer)}): the tokenizer's vocabulary")
 
     async def generate(self, prompts: list[list[int]] | list[str] | list[list[dict[str, str]]],
                        sampling: dict[str, Any] | SamplingConfig | list[dict[str, Any]] | None = None

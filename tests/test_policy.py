@@ -123,3 +123,13 @@ def test_policy_refuses_bad_input(policies):
         policies["hf"].generate.remote(["x" * 5000], {"max_tokens": 8}).result()
     with pytest.raises(ValueError):
         policies["hf"].generate.remote([CHAT], {"temperature": -1}).result()
+
+
+
+def test_bad_token_ids_are_the_requests_fault_not_the_engines(policies):
+    """Token ids outside the vocabulary get a ValueError naming the range; the replica that refused them stays
+    healthy (an engine failure would mark it unhealthy and Serve would replace it) and answers the next call."""
+    for engine in ("vllm", "hf"):
+        with pytest.raises(ValueError, match="vocabulary"):
+            policies[engine].generate.remote([[10**6]], {"max_tokens": 2}).result()
+        assert policies[engine].generate.remote(["#_P_X#"], {"max_tokens": 2}).result()[0]["token_ids"]
