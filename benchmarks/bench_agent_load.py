@@ -14,10 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -28,14 +25,11 @@ from typing import Any
 import yaml
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+from benchmarks.serve_process import serve_run  # noqa: E402
+
 RESULTS = REPO_ROOT / "benchmarks" / "results"
 OBSERVATION = "######\n#P_X_#\n#__O_#\n######"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def serve_rss_mib() -> dict[str, float]:
@@ -89,30 +83,8 @@ def main() -> None:
     import httpx
 
     spec = yaml.safe_load((REPO_ROOT / "serve_configs" / "agent.yaml").read_text())
-    port = free_port()
-    spec["http_options"]["port"] = port
     work = Path(tempfile.mkdtemp(prefix="raygent-bench-load-"))
-    config = work / "agent.yaml"
-    config.write_text(yaml.safe_dump(spec))
-    log = work / "serve.log"
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
-    env.pop("RAY_ADDRESS", None)
-    proc = subprocess.Popen([str(Path(sys.executable).with_name("serve")), "run", str(config)], cwd=REPO_ROOT,
-                            env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        started = time.time()
-        while True:
-            if proc.poll() is not None:
-                raise SystemExit(f"serve run exited; see {log}")
-            try:
-                if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.time() - started > 600:
-                raise SystemExit(f"the endpoint did not come up in 10 minutes; see {log}")
-            time.sleep(2)
+    with serve_run(spec, work, "/v1/models") as url:
         first = time.perf_counter()
         httpx.post(f"{url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
                                                       "max_tokens": args.tokens}, timeout=120)
@@ -130,12 +102,6 @@ def main() -> None:
             t.join()
         wall = time.perf_counter() - t0
         after = serve_rss_mib()
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
 
     def pct(values: list[float], q: float) -> float | None:
         return statistics.quantiles(values, n=100)[q - 1] if len(values) >= 2 else None

@@ -13,10 +13,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import json
-import os
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -25,13 +21,9 @@ from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
+from benchmarks.serve_process import serve_run  # noqa: E402
+
 RESULTS = REPO_ROOT / "benchmarks" / "results"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_validation(checkpoint: Path) -> dict[str, Any] | None:
@@ -61,33 +53,10 @@ def main() -> None:
     card = read_agent_card(model)
     run_seed = int(card.source.get("seed", 0))
     seeds = envs.group_seeds(run_seed, 0, args.seeds, "val").tolist()
-    port = free_port()
-    log = Path(tempfile.mkdtemp(prefix="raygent-bench-served-")) / "serve.log"
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
-    env.pop("RAY_ADDRESS", None)
-    # `serve run IMPORT_PATH key=value` binds 127.0.0.1:8000 by default; the port here keeps it free for a user.
-    config = log.parent / "agent.yaml"
-    config.write_text(json.dumps({
-        "http_options": {"host": "127.0.0.1", "port": port},
-        "applications": [{"name": "agent", "route_prefix": "/", "import_path": "app.agent:build_agent_app",
-                          "args": {"policy": {"model": str(model)}}}]}))
-    proc = subprocess.Popen([str(Path(sys.executable).with_name("serve")), "run", str(config)], cwd=REPO_ROOT,
-                            env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        started = time.time()
-        while True:
-            if proc.poll() is not None:
-                raise SystemExit(f"serve run exited; see {log}")
-            try:
-                if httpx.get(f"{url}/v1/agent", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.time() - started > 600:
-                raise SystemExit(f"the endpoint did not come up; see {log}")
-            time.sleep(2)
-
+    spec = {"applications": [{"name": "agent", "route_prefix": "/", "import_path": "app.agent:build_agent_app",
+                              "args": {"policy": {"model": str(model)}}}]}
+    work = Path(tempfile.mkdtemp(prefix="raygent-bench-served-"))
+    with serve_run(spec, work, "/v1/agent") as url:
         def play(k: int, sampled: bool) -> bool:
             body: dict[str, Any] = {"seed": seeds[k], "split": card.heldout_split}
             if sampled:  # the validation's own sampling seed: the same draw as the run's validation
@@ -101,12 +70,6 @@ def main() -> None:
             plain = list(pool.map(lambda k: play(k, False), range(len(seeds))))
             replayed = list(pool.map(lambda k: play(k, True), range(len(seeds))))
         seconds = time.perf_counter() - t0
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
     val = run_validation(args.checkpoint)
     result = {
         "checkpoint": str(args.checkpoint), "card": card.model_dump(), "heldout_seeds": len(seeds),
