@@ -177,3 +177,40 @@ def test_train_kill_checkpoint_serve_and_resume(ray_cluster, serve_url, tmp_path
         assert kl_after[5] > 0.5 * kl_before[-1], (kl_before, kl_after)
     finally:
         run.stop()
+
+
+def test_three_resumes_with_keep_1_and_a_restart_after_the_last(ray_cluster, serve_url, tmp_path):
+    """The issue that killed long runs: after a resume the run's processes loaded `<resumed checkpoint>/model`,
+    which `keep: 1` rotated away, so the next actor restart failed. Four runs of one iteration each (three
+    resumes), every iteration checkpointed and only the last kept, KL on; then an env-group actor killed in the
+    last run: the run still finishes, nothing repeated or skipped, the KL never restarts from 0."""
+    from ray import serve
+
+    address = ray_cluster.get_runtime_context().gcs_address
+    port = int(serve_url.rsplit(":", 1)[1])
+    for iterations in (1, 2, 3, 4):
+        config = training_config(REPO / "serve_configs" / "test_tiny.yaml", tmp_path / f"config{iterations}.yaml",
+                                 port, tmp_path / "runs", iterations=iterations,
+                                 checkpoint={"every": 1, "keep": 1, "resume": "auto"})
+        run = ServeRun(config, tmp_path / f"run{iterations}.log", address)
+        try:
+            if iterations == 4:  # the third resume: a restart must find every model folder it needs
+                wait_for(lambda: get_status(serve_url)["phase"] == "rollout" or get_status(serve_url)["done"],
+                         600, "a rollout", run)
+                os.kill(env_actor_pids()[0], signal.SIGKILL)
+            status = wait_for(lambda: (s := get_status(serve_url))["done"] and s, 600, f"run {iterations}", run)
+            assert status["phase"] == "done" and status["iteration"] == iterations, status
+            if iterations > 1:
+                assert "resuming" in run.log.read_text()
+        finally:
+            run.stop()
+        serve.delete("train")
+    runs = tmp_path / "runs" / "e2e-tiny"
+    history = [json.loads(line) for line in (runs / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    train = [r for r in history if r.get("phase") == "train"]
+    assert [r["iteration"] for r in train] == [1, 2, 3, 4]
+    assert all(r["train/kl"] > 0 for r in train), [r["train/kl"] for r in train]
+    # keep: 1 rotated iterations 1 and 2 away; 3 stays while the run that resumed from it lives (pinned)
+    kept = sorted(p.name for p in (runs / "checkpoints").iterdir() if p.name.startswith("iter_"))
+    assert kept == ["iter_000003", "iter_000004"], kept
+    assert (runs / "reference" / "model.safetensors").exists()
