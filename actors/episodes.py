@@ -208,10 +208,8 @@ class Coalescer:
             asyncio.get_running_loop().call_soon(self._flush)
 
     def _flush(self) -> None:
-        self._scheduled = False
+        self._scheduled = False  # scheduled only with prompts waiting and a slot free; nothing took them since
         free = self.chunks - self._in_flight
-        if free <= 0 or not self._pending:
-            return
         items, self._pending = self._pending, []
         for part in np.array_split(np.arange(len(items)), min(free, len(items))):
             if len(part):

@@ -78,10 +78,23 @@ class AgentConfig(BaseModel):
                                                                 "`retriever: serve` (default: the card's)")
 
 
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class ErrorBody(BaseModel):
+    """Every 4xx: what is wrong and which parameter."""
+
+    error: ErrorDetail
+
+
 def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
            headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}},
-                        status_code=status, headers=headers)
+    body = ErrorBody(error=ErrorDetail(message=message, type=kind, param=param, code=status))
+    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
 
 
 def _first_unencodable(value: Any, where: str = "") -> str | None:
@@ -203,19 +216,6 @@ class _Session:
     results: asyncio.Queue | None = None
     last_turn: tuple[str, list[str]] | None = None  # the prompt and admissible actions of the turn being decided
     over: bool = False
-
-
-class ErrorDetail(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: int
-
-
-class ErrorBody(BaseModel):
-    """Every 4xx: what is wrong and which parameter."""
-
-    error: ErrorDetail
 
 
 def _errors(*codes: int) -> dict[int, dict[str, Any]]:

@@ -33,6 +33,8 @@ class Completion:
 class Engine(Protocol):
     name: str
     tokenizer: Any
+    # what `generate` raises for a bad request (the engine itself is fine); anything else is the engine's failure
+    request_errors: tuple[type[Exception], ...]
 
     def generate(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingConfig]) -> list[Completion]: ...
 
@@ -94,6 +96,7 @@ class HFEngine:
     greedy replies match it token for token, sampled ones follow the same per-request settings."""
 
     name = "hf"
+    request_errors: tuple[type[Exception], ...] = (ValueError,)
 
     def __init__(self, model_path: str, dtype: str = "float32", device: str | None = None, **_: Any):
         import torch
@@ -247,6 +250,9 @@ class VLLMEngine:
             kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(max_model_len, 4096))
         self.llm = LLM(**kwargs)
         self.tokenizer = self.llm.get_tokenizer()
+        from vllm.exceptions import VLLMClientError
+
+        self.request_errors = (ValueError, VLLMClientError)
 
     def generate(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingConfig]) -> list[Completion]:
         from vllm import SamplingParams, TokensPrompt

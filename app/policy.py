@@ -37,6 +37,7 @@ class Policy:
             seed=self.config.seed,
         )
         self.tokenizer = self.engine.tokenizer
+        self.vocab_size = len(self.tokenizer)
         self.version = self.config.initial_version
         if self.config.sync_from:
             self._sync_from_run()
@@ -91,12 +92,10 @@ class Policy:
                 completions = await asyncio.to_thread(
                     self.engine.generate, [ids for ids, _ in items], [params for _, params in items]
                 )
-            except Exception as e:
-                if isinstance(e, ValueError) or any(c.__name__ == "VLLMClientError" for c in type(e).__mro__):
-                    raise  # the request's fault: the engine is fine
-                # the engine's own failure: its state is unknown, so the replica reports unhealthy and Serve
-                # replaces it
-                self._engine_error = f"{type(e).__name__}: {e}"
+            except self.engine.request_errors:
+                raise  # the request's fault: the engine is fine
+            except Exception as e:  # the engine's own: its state is unknown, so the replica reports unhealthy and
+                self._engine_error = f"{type(e).__name__}: {e}"  # Serve replaces it
                 raise
             seconds = time.perf_counter() - started
         return [self._reply(c, version, seconds, len(items)) for c in completions]
@@ -111,8 +110,8 @@ class Policy:
                              f"{self.config.max_model_len}; shorten the prompt or lower max_tokens")
         if not ids:
             raise ValueError("empty prompt")
-        if min(ids) < 0 or max(ids) >= len(self.tokenizer):
-            raise ValueError(f"token ids must be in [0, {len(self.tokenizer)}): the tokenizer's vocabulary")
+        if min(ids) < 0 or max(ids) >= self.vocab_size:
+            raise ValueError(f"token ids must be in [0, {self.vocab_size}): the tokenizer's vocabulary")
 
     async def generate(self, prompts: list[list[int]] | list[str] | list[list[dict[str, str]]],
                        sampling: dict[str, Any] | SamplingConfig | list[dict[str, Any]] | None = None

@@ -76,7 +76,6 @@ class _Index:
         return list(await asyncio.gather(*(self._batched((q, k)) for q in queries)))
 
 
-
 # Inside another application (the training app, the agent endpoint) the retriever is reached by handle only: an
 # application has one HTTP ingress. On its own (`serve_configs/retriever.yaml`) it is that ingress.
 Retriever = serve.deployment(name="Retriever", ray_actor_options={"num_cpus": 0.25})(_Index)
