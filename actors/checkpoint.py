@@ -1,6 +1,6 @@
 """The one place that knows a run folder's layout. Checkpoints are an HF folder (safetensors + config + tokenizer,
-loadable by vLLM and transformers as it is) plus the optimizer state and the controller's state, written into a
-temporary folder and renamed into place: a checkpoint folder either exists whole or not at all.
+loadable by vLLM and transformers as it is) plus the Train job's sharded state and the controller's state, written
+into a temporary folder and renamed into place: a checkpoint folder either exists whole or not at all.
 
     runs/<run>/
         reference/            the policy RL started from, when a warm start made it (the KL reference): an HF
@@ -8,10 +8,13 @@ temporary folder and renamed into place: a checkpoint folder either exists whole
         checkpoints/iter_000010/
             model/            config.json, generation_config.json, tokenizer files, model.safetensors, and
                               raygent_agent.json: the agent it is (env, memory, prompt, sampling; AgentCard)
-            optimizer.pt      full (unsharded) AdamW state
+            train_state/      model and AdamW state as trained, one shard file per Train rank plus DCP's metadata
+                              (torch.distributed.checkpoint: no rank gathers the optimizer; another world size
+                              reshards on load)
             state.json        layout version, iteration, weight version, seeds, the KL reference, config
 
-Layout versions: 1 (no `reference_model` in state.json: the reference was whatever model the run loaded), 2.
+Layout versions: 1 (no `reference_model` in state.json: the reference was whatever model the run loaded), 2 (a full
+`optimizer.pt` written by rank 0 in place of `train_state/`), 3. All three resume.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ from typing import Any
 
 import numpy as np
 
-LAYOUT_VERSION = 2
+LAYOUT_VERSION = 3
+TRAIN_STATE = "train_state"
 CARD_FILE = "raygent_agent.json"
 _NAME = re.compile(r"^iter_(\d{6})$")
 logger = logging.getLogger("raygent")
@@ -81,6 +85,7 @@ def load_model_weights(model_dir: str | Path) -> dict[str, np.ndarray]:
 
 
 def save_model(weights: dict[str, np.ndarray], template_dir: Path, out_dir: Path, card: Any = None) -> None:
+    from safetensors import SafetensorError
     from safetensors.numpy import save_file
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -91,19 +96,22 @@ def save_model(weights: dict[str, np.ndarray], template_dir: Path, out_dir: Path
     config = json.loads((template_dir / "config.json").read_text())
     if config.get("tie_word_embeddings"):  # the head is the embedding: stored once, as HF does
         weights = {k: v for k, v in weights.items() if k != "lm_head.weight"}
-    save_file({k: np.ascontiguousarray(v) for k, v in weights.items()}, str(out_dir / "model.safetensors"),
-              metadata={"format": "pt"})
+    try:
+        save_file({k: np.ascontiguousarray(v) for k, v in weights.items()}, str(out_dir / "model.safetensors"),
+                  metadata={"format": "pt"})
+    except SafetensorError as e:  # its I/O errors (a full disk) are not OSErrors: a refused write is one here
+        raise OSError(f"writing {out_dir / 'model.safetensors'}: {e}") from e
 
 
 async def save_checkpoint(run_dir: Path, iteration: int, weights: dict[str, np.ndarray], template_dir: Path,
                           state: dict[str, Any], keep: int,
-                          save_optimizer: Callable[[str], Awaitable[None]] | None = None, card: Any = None,
+                          save_train_state: Callable[[str], Awaitable[None]] | None = None, card: Any = None,
                           pinned: set[Path] | frozenset[Path] = frozenset()) -> Path:
     """Write checkpoint `iter_{iteration}` atomically; keep the newest `keep` and every `pinned` one (the checkpoint
     this run resumed from: its replicas and actors load their starting model from it, so it must outlive
-    rotation). `save_optimizer(path)` asks the training job to write its optimizer state into the temporary folder
-    before the rename. Re-checkpointing an iteration swaps the folders: there is never a moment without a complete
-    checkpoint of it on disk."""
+    rotation). `save_train_state(path)` asks the training job to write its sharded state into that folder of the
+    temporary checkpoint before the rename. Re-checkpointing an iteration swaps the folders: there is never a
+    moment without a complete checkpoint of it on disk. A refused write (full or read-only disk) is an OSError."""
     root = run_dir / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"iter_{iteration:06d}"
@@ -114,8 +122,8 @@ async def save_checkpoint(run_dir: Path, iteration: int, weights: dict[str, np.n
         state["reference_model"] = _relative_to(state["reference_model"], run_dir)
     try:
         save_model(weights, template_dir, tmp / "model", card)
-        if save_optimizer is not None:
-            await save_optimizer(str(tmp / "optimizer.pt"))
+        if save_train_state is not None:
+            await save_train_state(str(tmp / TRAIN_STATE))
         (tmp / "state.json").write_text(json.dumps(state, indent=2, default=str))
         previous = None
         if final.exists():  # re-checkpointing the same iteration (e.g. /checkpoint then the scheduled one)
@@ -149,6 +157,18 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 def load_state(checkpoint: Path) -> dict[str, Any]:
     return json.loads((Path(checkpoint) / "state.json").read_text())
+
+
+def train_state_of(checkpoint: Path | None) -> dict[str, str | None]:
+    """What a Train job resumes from besides the HF model: the sharded `train_state` folder (layout 3) or a
+    layout-2 full `optimizer_state` file; neither for a start from scratch."""
+    found = {"train_state": None, "optimizer_state": None}
+    if checkpoint is not None:
+        if (Path(checkpoint) / TRAIN_STATE / ".metadata").is_file():
+            found["train_state"] = str(Path(checkpoint) / TRAIN_STATE)
+        elif (Path(checkpoint) / "optimizer.pt").is_file():
+            found["optimizer_state"] = str(Path(checkpoint) / "optimizer.pt")
+    return found
 
 
 def _relative_to(path: str, run_dir: Path) -> str:

@@ -28,6 +28,7 @@ from actors.checkpoint import (
     reference_model_of,
     save_checkpoint,
     save_reference,
+    train_state_of,
     write_model_template,
 )
 from actors.demonstrations import demo_players
@@ -202,11 +203,10 @@ class Controller:
         self.env_actors = [self._make_env_actor() for _ in range(cfg.rollout.num_env_actors)]
         await asyncio.gather(*(a.ready.remote() for a in self.env_actors))
         self.pad_id = pad_id
-        optimizer_state = self.resume_from / "optimizer.pt" if self.resume_from else None
         # The Train job starts from the checkpoint it resumes (the replicas' start model may be an older one: a
         # controller started again by the health check resumes from the latest checkpoint).
         train_model = str(self.resume_from / "model") if self.resume_from else self.model_path
-        self.trainer = self._make_trainer(train_model, optimizer_state)
+        self.trainer = self._make_trainer(train_model, self.resume_from)
         await asyncio.to_thread(self.trainer.start)
         # The replicas start from `model_path` under the version it was saved with (the training app passes the
         # resumed weight version as policy.initial_version); replicas that outlived an earlier controller of
@@ -215,7 +215,7 @@ class Controller:
         if self.resume_from is not None:
             await self._restore_replicas(self.resume_from)
 
-    def _make_trainer(self, model_path: str, optimizer_state: Path | None) -> TrainerGroup:
+    def _make_trainer(self, model_path: str, checkpoint: Path | None) -> TrainerGroup:
         cfg = self.cfg
         return TrainerGroup(cfg.run_name, str(self.run_dir), cfg.trainer, {
             "model_path": model_path, "ref_model_path": self.reference_model, "optim": cfg.optim.model_dump(),
@@ -223,7 +223,7 @@ class Controller:
             "mixed_precision": cfg.trainer.mixed_precision,
             "activation_checkpointing": cfg.trainer.activation_checkpointing,
             "framework_log_level": cfg.logging.framework_level,
-            "optimizer_state": str(optimizer_state) if optimizer_state and optimizer_state.exists() else None,
+            **train_state_of(checkpoint),
         })
 
     async def _recover_trainer(self, error: TrainerFailure) -> None:
@@ -241,12 +241,12 @@ class Controller:
         if checkpoint is not None:
             state = load_state(checkpoint)
             self.iteration, self.warm_start_done = state["iteration"], state.get("warm_start_done", False)
-            model, optimizer = str(checkpoint / "model"), checkpoint / "optimizer.pt"
+            model = str(checkpoint / "model")
         else:  # nothing checkpointed yet: from the start (the warm start, if any, runs again)
             self.iteration, self.warm_start_done = 0, False
-            model, optimizer = self.model_path, None
+            model = self.model_path
         self.sink.truncate(self.iteration)
-        self.trainer = self._make_trainer(model, optimizer)
+        self.trainer = self._make_trainer(model, checkpoint)
         await asyncio.to_thread(self.trainer.start)
         if checkpoint is not None:  # the lost job owned the latest weights: the checkpoint's, owned here
             await self._restore_replicas(checkpoint, always=True)
@@ -524,15 +524,15 @@ class Controller:
                  "warm_start_done": self.warm_start_done, "run_name": self.cfg.run_name, "time": time.time(),
                  "reference_model": self.reference_model, "config": self.config_dict}
 
-        async def save_optimizer(path: str) -> None:
-            results = await self.trainer.run({"kind": "save_optimizer", "path": path})
+        async def save_train_state(path: str) -> None:
+            results = await self.trainer.run({"kind": "save_train_state", "path": path})
             if results[0].get("write_error"):
                 raise OSError(results[0]["write_error"])
 
         card = self.cfg.agent_card(iteration=self.iteration, weight_version=self.version,
                                    warm_start_done=self.warm_start_done, base_model=self.cfg.policy.model)
         path = await save_checkpoint(self.run_dir, self.iteration, weights, self.template, state,
-                                     self.cfg.checkpoint.keep, save_optimizer, card, self._pinned())
+                                     self.cfg.checkpoint.keep, save_train_state, card, self._pinned())
         self.last_checkpoint = str(path)
         self._checkpointed_version = self.version
         return path

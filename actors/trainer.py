@@ -144,16 +144,41 @@ def _full_state_dict(model, strategy: str) -> dict[str, np.ndarray]:
     return {k: v.detach().float().cpu().numpy() for k, v in sd.items()}
 
 
-def _optimizer_state(model, optimizer, strategy: str, full: bool = True):
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+def save_train_state(model, optimizer, path: str) -> None:
+    """The model's and the optimizer's state as they are trained, into the folder `path` with
+    torch.distributed.checkpoint: each rank writes its own shards (nothing of Adam is gathered on one rank), and
+    DCP's metadata lets a job of another size (or unsharded) load them. A collective: every rank calls it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-    if strategy == "fsdp":
-        return get_optimizer_state_dict(model, optimizer,
-                                        options=StateDictOptions(full_state_dict=full, cpu_offload=True))
-    return optimizer.state_dict()
+    state = {"model": get_model_state_dict(model)}
+    if optimizer.state:  # fresh moments (just after reset_optimizer) are saved as none: reading them would step
+        state["optim"] = get_optimizer_state_dict(model, optimizer)  # once at lr 0 and skew Adam's bias correction
+    dcp.save(state, checkpoint_id=path)
 
 
-def _load_optimizer_state(model, optimizer, strategy: str, state) -> None:
+def load_train_state(model, optimizer, path: str) -> None:
+    """`save_train_state`'s folder back into `model` and `optimizer`, resharded to this job's layout."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    state = {"model": get_model_state_dict(model)}  # the shapes and shards to read into
+    if any(key.startswith("optim.") for key in saved):
+        state["optim"] = get_optimizer_state_dict(model, optimizer)
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(model, state["model"])
+    if "optim" in state:
+        set_optimizer_state_dict(model, optimizer, optim_state_dict=state["optim"])
+
+
+def _load_full_optimizer_state(model, optimizer, strategy: str, state) -> None:
+    """A layout-2 checkpoint's `optimizer.pt` (one full, unsharded state dict)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
     if strategy == "fsdp":
@@ -190,8 +215,11 @@ def train_loop_per_worker(cfg: dict[str, Any]) -> None:
     optim = OptimConfig.model_validate(cfg["optim"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=optim.betas,
                                   weight_decay=optim.weight_decay)
-    if cfg.get("optimizer_state"):
-        _load_optimizer_state(model, optimizer, strategy, torch.load(cfg["optimizer_state"], weights_only=False))
+    if cfg.get("train_state"):
+        load_train_state(model, optimizer, cfg["train_state"])
+    elif cfg.get("optimizer_state"):
+        _load_full_optimizer_state(model, optimizer, strategy,
+                                   torch.load(cfg["optimizer_state"], weights_only=False))
     pad_id = cfg["pad_id"]
     rng = np.random.default_rng(cfg["seed"] + rank)
     sft_data = None
@@ -232,14 +260,16 @@ def train_loop_per_worker(cfg: dict[str, Any]) -> None:
             if ref_model is not None:
                 copy_weights(model, ref_model)
             metrics = {}
-        elif kind == "save_optimizer":
-            state = _optimizer_state(model, optimizer, strategy)  # a collective under FSDP: every rank gathers
+        elif kind == "save_train_state":
+            from torch.distributed.checkpoint.api import CheckpointException
+
             metrics = {}
-            if rank == 0:
-                try:
-                    _atomic_torch_save(state, task["path"])
-                except OSError as e:  # a full or read-only disk: the controller keeps the last checkpoint
-                    result["write_error"] = f"{type(e).__name__}: {e}"
+            try:
+                save_train_state(model, optimizer, task["path"])
+            except (OSError, CheckpointException) as e:
+                # A full or read-only disk fails every rank alike (DCP gathers the writers' errors): each reports,
+                # none raises, and the controller keeps the last checkpoint.
+                result["write_error"] = f"{type(e).__name__}: {str(e)[:500]}"
         else:
             raise ValueError(f"unknown trainer task {kind!r}")
         result["metrics"] = metrics  # already global (all-reduced inside the steps)
@@ -267,15 +297,6 @@ def train_loop_per_worker(cfg: dict[str, Any]) -> None:
             raise
         result.setdefault("metrics", {})["seconds"] = time.perf_counter() - started
         ray.get(mailbox.put_result.remote(task["id"], rank, result))
-
-
-def _atomic_torch_save(obj: Any, path: str) -> None:
-    import torch
-
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    partial = f"{path}.partial"
-    torch.save(obj, partial)
-    os.replace(partial, path)
 
 
 class TrainerFailure(RuntimeError):

@@ -26,7 +26,7 @@ import time
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -138,13 +138,17 @@ class ChatMessage(_Strict):
     content: str
 
 
+# An empty stop string would end every reply before its first token (vLLM refuses it): a 400, and said so in the schema.
+StopString = Annotated[str, Field(min_length=1)]
+
+
 class _SamplingRequest(_Strict):
     model: str | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    stop: str | list[str] | None = None
+    stop: StopString | list[StopString] | None = None
     seed: int | None = None
     n: int = Field(1, ge=1, le=16)
     stream: bool = False

@@ -168,6 +168,10 @@ BAD_REQUESTS = [
     ("POST", "/v1/chat/completions", {}, json.dumps(
         {"messages": [{"role": "user", "content": "word " * 3000}]}).encode(), 400, "max_model_len"),
     ("POST", "/v1/completions", {}, json.dumps({"prompt": ""}).encode(), 400, "prompt"),
+    # found by schemathesis: an empty stop string reached vLLM's SamplingParams and came back a 500
+    ("POST", "/v1/completions", {}, json.dumps({"prompt": "x", "stop": ["a", ""]}).encode(), 400, "stop"),
+    ("POST", "/v1/chat/completions", {}, json.dumps(
+        {"messages": [{"role": "user", "content": "x"}], "stop": ""}).encode(), 400, "stop"),
     ("POST", "/v1/act", {}, json.dumps({"env": "no-such-env", "observation": "x"}).encode(), 400, "not served here"),
     ("POST", "/v1/act", {}, json.dumps({"env": "sokoban"}).encode(), 400, "seed"),
     ("POST", "/v1/act", {}, json.dumps({"env": "", "observation": "x"}).encode(), 400, "env"),

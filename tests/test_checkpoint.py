@@ -36,7 +36,7 @@ def test_rotation_keeps_the_newest_and_the_pinned(tmp_path, template):
     for it in (2, 3, 4):
         _save(run, it, template, keep=1, pinned={first})
     assert [p.name for p in list_checkpoints(run)] == ["iter_000001", "iter_000004"]
-    assert load_state(first)["layout_version"] == 2 and (first / "model" / "model.safetensors").exists()
+    assert load_state(first)["layout_version"] == 3 and (first / "model" / "model.safetensors").exists()
 
 
 def test_recheckpointing_an_iteration_swaps_in_the_new_one(tmp_path, template, monkeypatch):
@@ -63,9 +63,54 @@ def test_a_refused_write_keeps_the_previous_checkpoint(tmp_path, template):
         raise OSError(28, "No space left on device")
 
     with pytest.raises(OSError, match="No space"):
-        _save(run, 2, template, keep=3, save_optimizer=full_disk)
+        _save(run, 2, template, keep=3, save_train_state=full_disk)
     assert latest_checkpoint(run) == good and load_state(good)["iteration"] == 1
     assert [p.name for p in (run / "checkpoints").iterdir()] == ["iter_000001"]  # no half-written folder
+
+
+FULL_DISK_WRITER = """
+import asyncio, sys
+from pathlib import Path
+import numpy as np
+from actors.checkpoint import latest_checkpoint, load_model_weights, load_state, save_checkpoint
+
+run, template = Path(sys.argv[1]), Path(sys.argv[2])
+def save(iteration, size):
+    weights = {"w": np.full((size,), float(iteration), dtype=np.float32)}
+    return asyncio.run(save_checkpoint(run, iteration, weights, template, {"iteration": iteration}, keep=3))
+good = save(1, 1000)                  # 4 kB: fits
+try:
+    save(2, 100_000)                  # 400 kB of weights on a 256 kB disk
+    print("NO ERROR")
+except OSError as e:
+    print("OSError", e)
+assert latest_checkpoint(run) == good and load_state(good)["iteration"] == 1
+assert float(load_model_weights(good / "model")["w"][0]) == 1.0
+print(sorted(p.name for p in (run / "checkpoints").iterdir()))
+"""
+
+
+def test_a_full_disk_refuses_the_weights_and_keeps_the_previous_checkpoint(tmp_path, template):
+    """A real full disk (a 256 kB tmpfs in a private mount namespace: CI runs as root, so chmod cannot refuse a
+    write): the safetensors write fails as an OSError (the controller's refused-write path), the earlier checkpoint
+    stays loadable and no half-written folder is left."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    run = tmp_path / "run"
+    run.mkdir()
+    script = tmp_path / "writer.py"
+    script.write_text(FULL_DISK_WRITER)
+    cmd = f"mount -t tmpfs -o size=256k tmpfs {run} && exec {sys.executable} {script} {run} {template}"
+    out = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", cmd], cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    if out.returncode != 0 and "mount" in out.stderr and "permission" in out.stderr.lower():
+        pytest.skip(f"no mount namespace here: {out.stderr.strip()}")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "OSError" in out.stdout and "No space left" in out.stdout, out.stdout
+    assert out.stdout.strip().splitlines()[-1] == "['iter_000001']", out.stdout
 
 
 def test_resume_cuts_metrics_back_to_the_checkpoint(tmp_path):

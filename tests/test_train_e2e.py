@@ -15,7 +15,7 @@ import pytest
 
 from actors.metrics import prometheus_name
 from tests.conftest import REPO
-from tests.serve_helpers import ServeRun, get_status, training_config, wait_for
+from tests.serve_helpers import ServeRun, get_history, get_status, training_config, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -125,13 +125,13 @@ def test_train_kill_checkpoint_serve_and_resume(ray_cluster, serve_url, tmp_path
 
         checkpoint = Path(status["last_checkpoint"])
         assert checkpoint.name == "iter_000004"
-        for f in ("model/model.safetensors", "model/config.json", "model/tokenizer.json", "optimizer.pt",
-                  "state.json"):
+        for f in ("model/model.safetensors", "model/config.json", "model/tokenizer.json",
+                  "train_state/.metadata", "train_state/__0_0.distcp", "train_state/__1_0.distcp", "state.json"):
             assert (checkpoint / f).exists(), f
         assert not list(checkpoint.parent.glob(".tmp-*")), "a temporary checkpoint folder was left behind"
         # The KL reference is the policy after the warm start, kept outside the rotating checkpoints (keep: 2).
         state = json.loads((checkpoint / "state.json").read_text())
-        assert state["layout_version"] == 2 and state["reference_model"] == "reference"
+        assert state["layout_version"] == 3 and state["reference_model"] == "reference"
         assert (checkpoint.parent.parent / "reference" / "model.safetensors").exists()
         assert not (checkpoint.parent / "iter_000000").exists(), "the warm start's checkpoint should have rotated"
         kl_before = [r["train/kl"] for r in train]
@@ -215,3 +215,74 @@ def test_three_resumes_with_keep_1_and_a_restart_after_the_last(ray_cluster, ser
     kept = sorted(p.name for p in (runs / "checkpoints").iterdir() if p.name.startswith("iter_"))
     assert kept == ["iter_000003", "iter_000004"], kept
     assert (runs / "reference" / "model.safetensors").exists()
+
+
+def test_a_full_checkpoint_disk_keeps_the_last_checkpoint_and_the_run_goes_on(tmp_path):
+    """The run's checkpoint folder is a 256 MB tmpfs that fills up after the first checkpoint, inside a private
+    mount namespace (CI runs as root: chmod cannot refuse a write). The run has its own Ray cluster in that
+    namespace (`serve run` with no address, the session's /tmp/ray hidden), so the controller writes to the tmpfs.
+    The refused checkpoint is logged and counted, the previous one stays intact and loadable, and once space is
+    back the run checkpoints again and finishes."""
+    import subprocess
+    import time
+
+    from tests.serve_helpers import SERVE
+    from tests.update_helpers import free_port
+
+    port = free_port()
+    runs = tmp_path / "runs"
+    checkpoints = runs / "e2e-full-disk" / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    config = training_config(REPO / "serve_configs" / "test_tiny.yaml", tmp_path / "config.yaml", port, runs,
+                             run_name="e2e-full-disk", iterations=4, warm_start={"enabled": False},
+                             checkpoint={"every": 1, "keep": 2, "resume": "never"})
+    log = tmp_path / "run.log"
+    script = (f"mount -t tmpfs tmpfs /tmp/ray && mount -t tmpfs -o size=256m tmpfs {checkpoints} && "
+              f"exec {SERVE} run {config}")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sh", "-c", script], cwd=REPO,
+                            env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+
+    class _Run:  # wait_for's view of a serve run
+        pass
+
+    run = _Run()
+    run.proc, run.log = proc, log
+    url = f"http://127.0.0.1:{port}"
+
+    def inside(cmd: str) -> str:  # a command in the run's mount namespace (the tmpfs is invisible outside it)
+        return subprocess.run(["nsenter", "-t", str(proc.pid), "-m", "sh", "-c", cmd], capture_output=True,
+                              text=True, timeout=60).stdout
+
+    def kept() -> list[str]:
+        return sorted(n for n in inside(f"ls {checkpoints}").split() if n.startswith("iter_"))
+
+    try:
+        wait_for(lambda: "iter_000001" in kept(), 900, "the first checkpoint", run)
+        inside(f"dd if=/dev/zero of={checkpoints}/filler bs=1M 2>/dev/null; true")  # the disk is now full
+        failed = wait_for(lambda: [r for r in get_history(url) if r.get("faults/checkpoint_failures", 0) >= 1],
+                          600, "a refused checkpoint", run)
+        # The previous checkpoint is whole: copied out of the namespace and loaded as a resume would.
+        inside(f"cp -r {checkpoints}/iter_000001 {tmp_path}/iter_000001")
+        from actors.checkpoint import load_model_weights, load_state, train_state_of
+
+        assert load_state(tmp_path / "iter_000001")["iteration"] == 1
+        assert load_model_weights(tmp_path / "iter_000001" / "model")
+        assert train_state_of(tmp_path / "iter_000001")["train_state"]
+        assert not [n for n in inside(f"ls -a {checkpoints}").split() if n.startswith(".tmp-")], \
+            "a half-written checkpoint was left on the full disk"
+        inside(f"rm {checkpoints}/filler")
+        status = wait_for(lambda: (s := get_status(url))["done"] and s, 900, "the run to finish", run)
+        assert status["phase"] == "done" and status["iteration"] == 4, status
+        assert kept()[-1] == "iter_000004", kept()
+        assert failed[0]["iteration"] >= 2
+        assert "checkpoint of iteration" in log.read_text() and "No space left" in log.read_text()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        time.sleep(1)

@@ -4,8 +4,6 @@ off-policy correction, bf16, activation checkpointing and the learning-rate sche
 
 from __future__ import annotations
 
-import socket
-
 import numpy as np
 import pytest
 import torch
@@ -20,7 +18,16 @@ from actors.learner import (
     token_logprobs,
 )
 from algorithms.losses import LOSS_AGG_MODES
-from tests.update_helpers import build_model, fsdp_rank, gradient_of, load_model, make_rows, rel_error, take
+from tests.update_helpers import (
+    build_model,
+    free_port,
+    fsdp_rank,
+    gradient_of,
+    load_model,
+    make_rows,
+    rel_error,
+    take,
+)
 
 TOLERANCE = 1e-5  # relative norm error of two fp32 gradients of one loss (elementwise checks fail on tiny entries)
 N_ROWS = 13
@@ -53,12 +60,6 @@ def test_gradient_does_not_depend_on_micro_batch_size(folders, mode):
             assert m[key] == pytest.approx(metrics[key], rel=1e-5, abs=1e-9), (mode, size, key)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_two_fsdp2_ranks_compute_the_single_process_gradient(folders, tmp_path):
     """7 rows on rank 0 and 6 on rank 1 (micro-batches of 2: 4 against 3, so rank 1 runs a zero-weight one): the
@@ -71,7 +72,7 @@ def test_two_fsdp2_ranks_compute_the_single_process_gradient(folders, tmp_path):
                             "rollout_correction": "tis", "micro_batch_size": 2}})
     cases.append({"optim": {**_case("token-mean"), "micro_batch_size": 2}, "mixed_precision": "bf16"})
     out = tmp_path / "ranks.pt"
-    mp.start_processes(fsdp_rank, args=(2, _free_port(), str(policy), str(reference), rows, splits, cases,
+    mp.start_processes(fsdp_rank, args=(2, free_port(), str(policy), str(reference), rows, splits, cases,
                                         str(out)), nprocs=2, start_method="spawn")
     sharded = torch.load(out, weights_only=False)
 

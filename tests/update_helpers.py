@@ -5,6 +5,7 @@ gloo (started with torch.multiprocessing, not Ray Train, to keep the test fast).
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -108,3 +109,61 @@ def fsdp_rank(rank: int, world: int, port: int, folder: str, ref_folder: str, ro
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def full_parameters(model) -> torch.Tensor:
+    """Every parameter, flattened in parameter order (FSDP2 shards gathered: a collective)."""
+    return torch.cat([(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().reshape(-1).float()
+                      for p in model.parameters()])
+
+
+def steps_with_train_state(rank: int, world: int, port: int | None, folder: str, rows: dict[str, list],
+                           splits: list[list[int]], steps_before: int, save_dir: str | None, load_dir: str | None,
+                           out: str) -> None:
+    """One rank (or, with `port` None, a lone process without a process group) of: the model of `folder` and a
+    fresh AdamW, the Train job's sharded state loaded from `load_dir` if given, `steps_before` RL steps, the state
+    saved to `save_dir` if given, one more step; rank 0 saves the full parameters after it to `out`."""
+    import torch.distributed as dist
+
+    from actors.config import OptimConfig
+    from actors.learner import ALONE, Collective, rl_step
+    from actors.trainer import _load_model, load_train_state, save_train_state
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    if port is not None:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        mesh = None
+        if port is not None:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh("cpu", (world,))
+        model = _load_model(folder, torch.device("cpu"), "fsdp" if mesh else "none", mesh, {}, trainable=True)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+        collective = Collective.from_torch() if port is not None else ALONE
+        optim = OptimConfig(minibatch_size=10_000, micro_batch_size=4, old_logprobs="rollout")
+        if load_dir:
+            load_train_state(model, optimizer, load_dir)
+
+        def step() -> None:
+            rl_step(model, optimizer, take(rows, splits[rank]), optim, lr=1e-3, norm_length=8, pad_id=0,
+                    device="cpu", rng=np.random.default_rng(0), collective=collective)
+
+        for _ in range(steps_before):
+            step()
+        if save_dir:
+            save_train_state(model, optimizer, save_dir)
+        step()
+        params = full_parameters(model)
+        if rank == 0:
+            torch.save(params, out)
+    finally:
+        if port is not None:
+            dist.destroy_process_group()
