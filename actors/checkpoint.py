@@ -25,11 +25,14 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import torch
 
 LAYOUT_VERSION = 3
 TRAIN_STATE = "train_state"
@@ -70,11 +73,11 @@ def read_agent_card(folder: str | Path) -> Any:
     return AgentCard.model_validate_json(path.read_text())
 
 
-def load_model_weights(model_dir: str | Path) -> dict[str, np.ndarray]:
+def load_model_weights(model_dir: str | Path) -> dict[str, torch.Tensor]:
     """A checkpoint's weights as the trainer hands them to the replicas: every parameter, a tied head included
     (the file stores it once, as HF does; an engine reloading weights in place must get it again, or it keeps the
     head it had)."""
-    from safetensors.numpy import load_file
+    from safetensors.torch import load_file
 
     model_dir = Path(model_dir)
     weights = load_file(str(model_dir / "model.safetensors"))
@@ -84,9 +87,13 @@ def load_model_weights(model_dir: str | Path) -> dict[str, np.ndarray]:
     return weights
 
 
-def save_model(weights: dict[str, np.ndarray], template_dir: Path, out_dir: Path, card: Any = None) -> None:
+def save_model(weights: Mapping[str, torch.Tensor | np.ndarray], template_dir: Path, out_dir: Path,
+               card: Any = None) -> None:
+    """An HF model folder: the template's config and tokenizer files, the weights (tensors in any dtype, or numpy
+    arrays) and the agent card."""
+    import torch
     from safetensors import SafetensorError
-    from safetensors.numpy import save_file
+    from safetensors.torch import save_file
 
     out_dir.mkdir(parents=True, exist_ok=True)
     for f in template_dir.iterdir():
@@ -94,16 +101,16 @@ def save_model(weights: dict[str, np.ndarray], template_dir: Path, out_dir: Path
     if card is not None:
         write_agent_card(out_dir, card)
     config = json.loads((template_dir / "config.json").read_text())
-    if config.get("tie_word_embeddings"):  # the head is the embedding: stored once, as HF does
-        weights = {k: v for k, v in weights.items() if k != "lm_head.weight"}
+    tied = config.get("tie_word_embeddings")  # the head is the embedding: stored once, as HF does
+    tensors = {k: torch.from_numpy(np.ascontiguousarray(v)) if isinstance(v, np.ndarray) else v.contiguous()
+               for k, v in weights.items() if not (tied and k == "lm_head.weight")}
     try:
-        save_file({k: np.ascontiguousarray(v) for k, v in weights.items()}, str(out_dir / "model.safetensors"),
-                  metadata={"format": "pt"})
+        save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     except SafetensorError as e:  # its I/O errors (a full disk) are not OSErrors: a refused write is one here
         raise OSError(f"writing {out_dir / 'model.safetensors'}: {e}") from e
 
 
-async def save_checkpoint(run_dir: Path, iteration: int, weights: dict[str, np.ndarray], template_dir: Path,
+async def save_checkpoint(run_dir: Path, iteration: int, weights: Mapping[str, Any], template_dir: Path,
                           state: dict[str, Any], keep: int,
                           save_train_state: Callable[[str], Awaitable[None]] | None = None, card: Any = None,
                           pinned: set[Path] | frozenset[Path] = frozenset()) -> Path:
@@ -180,7 +187,7 @@ def _relative_to(path: str, run_dir: Path) -> str:
         return path
 
 
-def save_reference(run_dir: Path, weights: dict[str, np.ndarray], template_dir: Path, card: Any = None) -> Path:
+def save_reference(run_dir: Path, weights: Mapping[str, Any], template_dir: Path, card: Any = None) -> Path:
     """Write the run's KL reference (the policy RL starts from) once, atomically, outside the rotating checkpoints."""
     final = Path(run_dir) / "reference"
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-reference-", dir=run_dir))

@@ -8,6 +8,7 @@ fails there with the field's path and what is allowed (`format_config_error`), b
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -43,7 +44,8 @@ class PolicyConfig(_Section):
 
     model: str = Field("default", description='"default", "default:tiny", an HF folder, a checkpoint or a hub id')
     engine: EngineName = "auto"
-    dtype: str = "float32"
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="the engine's weights and compute; weights are sent to the replicas in this dtype")
     max_model_len: int = Field(1024, ge=16)
     kv_cache_bytes: int = Field(256 * 2**20, ge=16 * 2**20, description="vLLM KV cache on CPU")
     gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0)
@@ -247,6 +249,23 @@ class ValidationConfig(_Section):
                                 "baseline before any training; None = n_envs, 0 = skip")
 
 
+class WeightSyncConfig(_Section):
+    """How new weights reach the policy replicas after each update (actors/weights.py): in the policy's dtype, in
+    buckets through Ray's object store; neither side holds a second full copy of the model."""
+
+    bucket_mb: int = Field(256, ge=1, description="most MiB per bucket (a larger tensor travels alone)")
+
+    @field_validator("bucket_mb")
+    @classmethod
+    def _fits_in_memory(cls, mb: int) -> int:
+        # the sender fills one bucket while the last one is put: two must fit, with room for the rest of the run
+        limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2**20 // 8
+        if mb > limit:
+            raise ValueError(f"{mb} MiB per bucket does not fit: at most {limit} MiB (an eighth of this machine's "
+                             "memory)")
+        return mb
+
+
 class CheckpointConfig(_Section):
     every: int = Field(10, ge=0, description="iterations between checkpoints (0 = only at the end)")
     keep: int = Field(3, ge=1)
@@ -280,6 +299,7 @@ class TrainConfig(_Section):
     warm_start: WarmStartConfig = WarmStartConfig()
     validation: ValidationConfig = ValidationConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    weight_sync: WeightSyncConfig = WeightSyncConfig()
     logging: LoggingConfig = LoggingConfig()
     retriever: RetrieverConfig | None = Field(None, description="a retrieval deployment for search envs whose "
                                                                 "env.kwargs.retriever is 'serve'")
@@ -401,7 +421,7 @@ RESUMABLE_CHANGES = (
     "trainer.cpus_per_worker", "trainer.task_timeout_s", "trainer.max_restarts",
     "trainer.activation_checkpointing", "optim.micro_batch_size", "rollout.num_env_actors", "rollout.env_actor_cpus",
     "rollout.requests_per_step", "policy.engine", "policy.max_batch_size", "policy.batch_wait_timeout_s",
-    "policy.kv_cache_bytes", "policy.gpu_memory_utilization", "policy.log_level", "output_dir",
+    "policy.kv_cache_bytes", "policy.gpu_memory_utilization", "policy.log_level", "output_dir", "weight_sync",
 )
 
 

@@ -36,6 +36,7 @@ from actors.env_group import EnvGroupActor
 from actors.evaluation import summarize
 from actors.metrics import MetricsSink, quiet_frameworks
 from actors.trainer import TrainerFailure, TrainerGroup
+from actors.weights import Weights, pack_weights
 from algorithms import step_group_stats
 
 logger = logging.getLogger("raygent")
@@ -86,7 +87,7 @@ class Controller:
         self.phase = "starting"
         self.error: str | None = None
         self.last_metrics: dict[str, Any] = {}
-        self.latest_weights: Any = None
+        self.latest_weights: Weights | None = None
         self.last_checkpoint: str | None = None
         self.warm_start_done = False
         self._stop = False
@@ -220,7 +221,8 @@ class Controller:
         return TrainerGroup(cfg.run_name, str(self.run_dir), cfg.trainer, {
             "model_path": model_path, "ref_model_path": self.reference_model, "optim": cfg.optim.model_dump(),
             "seed": cfg.seed, "pad_id": self.pad_id, "norm_length": cfg.loss_norm_length, "iterations": cfg.iterations,
-            "mixed_precision": cfg.trainer.mixed_precision,
+            "mixed_precision": cfg.trainer.mixed_precision, "weights_dtype": cfg.policy.dtype,
+            "weights_bucket_bytes": cfg.weight_sync.bucket_mb * 2**20,
             "activation_checkpointing": cfg.trainer.activation_checkpointing,
             "framework_log_level": cfg.logging.framework_level,
             **train_state_of(checkpoint),
@@ -260,10 +262,14 @@ class Controller:
         versions = [i["version"] for i in infos if isinstance(i, dict)]
         if not always and versions and all(v == self.version for v in versions):
             return
-        weights = await asyncio.to_thread(load_model_weights, Path(checkpoint) / "model")
+        weights = await asyncio.to_thread(self._pack, load_model_weights(Path(checkpoint) / "model").items())
         self.version = max([self.version, *versions])
-        await self._broadcast(ray.put(weights))
+        await self._broadcast(weights)
         self._checkpointed_version = self.version
+
+    def _pack(self, tensors) -> Weights:
+        """Weights held by this controller (a checkpoint's), packed as the Train job packs its own."""
+        return pack_weights(tensors, self.cfg.policy.dtype, self.cfg.weight_sync.bucket_mb * 2**20)
 
     def latest_weights_for_replica(self) -> dict[str, Any] | None:
         """What a (re)starting policy replica loads before it serves: the latest weights and their version."""
@@ -359,7 +365,7 @@ class Controller:
         results = await self.trainer.run({"kind": "rl", "shards": shards, "iteration": it, "want_weights": True})
         t_train = time.perf_counter()
         record.update({f"train/{k}": v for k, v in results[0]["metrics"].items()})
-        await self._broadcast(results[0]["weights"][0])
+        await self._broadcast(results[0]["weights"])
         t_end = time.perf_counter()
         record.update({"weight_version": self.version, "time/rollout_s": t_rollout - t_start,
                        "time/dataset_s": t_data - t_rollout, "time/train_s": t_train - t_data,
@@ -490,12 +496,12 @@ class Controller:
             logger.warning("replica versions %s differ from %d: re-broadcasting", versions, self.version)
             await self._broadcast(self.latest_weights)
 
-    async def _broadcast(self, weights_ref: Any) -> None:
+    async def _broadcast(self, weights: Weights) -> None:
         """New weights to every replica under the next version. A replica that fails to take them is logged and
         counted, and stays behind: the next sync check retries it, and until then its rows are dropped as stale."""
         self.version += 1
-        self.latest_weights = weights_ref
-        results = await self.policy.broadcast("update_weights", weights_ref, self.version).results_async(
+        self.latest_weights = weights
+        results = await self.policy.broadcast("update_weights", weights, self.version).results_async(
             return_exceptions=True)
         failed = [r for r in results if isinstance(r, BaseException)]
         if failed:
@@ -519,7 +525,7 @@ class Controller:
 
     async def _write_checkpoint(self) -> Path:
         self.phase = "checkpointing"
-        weights = await self.latest_weights
+        weights = await asyncio.to_thread(self.latest_weights.state_dict)
         state = {"iteration": self.iteration, "weight_version": self.version, "seed": self.cfg.seed,
                  "warm_start_done": self.warm_start_done, "run_name": self.cfg.run_name, "time": time.time(),
                  "reference_model": self.reference_model, "config": self.config_dict}
@@ -569,7 +575,7 @@ class Controller:
             first = False
             done += steps
             bar.update(steps)
-            await self._broadcast(results[0]["weights"][0])
+            await self._broadcast(results[0]["weights"])
             val = await self._validate(val_seeds, log=False)
             self._log({"iteration": 0, "phase": "warm_start", "warm_start/step": done,
                        **{f"warm_start/{k}": v for k, v in results[0]["metrics"].items()}, **val})
@@ -585,7 +591,8 @@ class Controller:
         # RL starts from here: this policy is the KL reference from now on, kept outside the rotating checkpoints.
         card = self.cfg.agent_card(iteration=0, weight_version=self.version, warm_start_done=True,
                                    base_model=self.cfg.policy.model)
-        self.reference_model = str(save_reference(self.run_dir, await self.latest_weights, self.template, card))
+        weights = await asyncio.to_thread(self.latest_weights.state_dict)
+        self.reference_model = str(save_reference(self.run_dir, weights, self.template, card))
         await self.trainer.run({"kind": "set_reference"})
         self.warm_start_done = True
         await self._checkpoint()

@@ -2,7 +2,8 @@
 
 `TrainerGroup.start()` launches a single `TorchTrainer` (FSDP2 or DDP over `num_workers` workers; gloo on CPU,
 NCCL on GPU) whose workers loop: take the next task from the mailbox, train on their shard of that iteration's Ray
-Dataset, hand the full new weights back (rank 0 puts them in the object store as numpy arrays), and wait again.
+Dataset, hand the full new weights back (rank 0 puts them in the object store in buckets, actors/weights.py), and
+wait again.
 Paying the ~20 s Train start-up once per run, not once per iteration, is the point.
 """
 
@@ -14,10 +15,13 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import ray
+
+from actors.weights import WeightPacker, Weights
 
 logger = logging.getLogger("raygent")
 
@@ -133,15 +137,19 @@ def copy_weights(source, target) -> None:
             (r.to_local() if hasattr(r, "to_local") else r).copy_(local)
 
 
-def _full_state_dict(model, strategy: str) -> dict[str, np.ndarray]:
-    """Full weights as float32 numpy arrays on rank 0 (empty elsewhere). Collective under FSDP: all ranks call it."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    if strategy == "fsdp":
-        sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    else:
-        sd = (model.module if strategy == "ddp" else model).state_dict()
-    return {k: v.detach().float().cpu().numpy() for k, v in sd.items()}
+def pack_model_weights(model, strategy: str, dtype: str, bucket_bytes: int, rank: int,
+                       put: Callable[[Any], Any] = ray.put) -> Weights | None:
+    """The full weights, in `dtype` and in buckets, in the object store (rank 0 returns them; others None). Under
+    FSDP each parameter is gathered on its own (a collective: every rank calls this), so no rank ever holds the
+    whole model at once beyond one bucket. A tied head travels too (engines that reload in place need it)."""
+    module = model.module if strategy == "ddp" else model
+    packer = WeightPacker(dtype, bucket_bytes, put) if rank == 0 else None
+    for name, value in module.state_dict().items():
+        full = value.full_tensor() if hasattr(value, "full_tensor") else value
+        if packer is not None:
+            packer.add(name, full)
+        del full
+    return packer.finish() if packer is not None else None
 
 
 def save_train_state(model, optimizer, path: str) -> None:
@@ -274,9 +282,9 @@ def train_loop_per_worker(cfg: dict[str, Any]) -> None:
             raise ValueError(f"unknown trainer task {kind!r}")
         result["metrics"] = metrics  # already global (all-reduced inside the steps)
         if task.get("want_weights"):
-            weights = _full_state_dict(model, strategy)
-            if rank == 0:
-                result["weights"] = [ray.put(weights)]  # in a list: the ref travels, the arrays stay put
+            weights = pack_model_weights(model, strategy, cfg["weights_dtype"], cfg["weights_bucket_bytes"], rank)
+            if weights is not None:
+                result["weights"] = weights  # bucket refs: the bytes stay in the object store
         return result
 
     while True:

@@ -3,19 +3,17 @@
 An engine is synchronous and owns one model: `generate` takes a batch of token-id prompts with per-prompt sampling
 settings and returns, for each, the sampled token ids and their log-probs under the *raw* model distribution
 (before temperature / top-p: that is the distribution the trainer recomputes). `load_weights` replaces the weights
-in place from a full state dict of numpy arrays. The Serve deployment adds batching, versions and HTTP on top.
+in place from (name, tensor) pairs, consumed once, in any order (`Weights.tensors()`: one bucket of the object store at
+a time). The Serve deployment adds batching, versions and HTTP on top.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import warnings
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
-
-import numpy as np
 
 from actors.config import EngineName, SamplingConfig
 
@@ -38,7 +36,7 @@ class Engine(Protocol):
 
     def generate(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingConfig]) -> list[Completion]: ...
 
-    def load_weights(self, state_dict: dict[str, np.ndarray]) -> None: ...
+    def load_weights(self, tensors: Iterable[tuple[str, Any]]) -> None: ...
 
 
 def vllm_available() -> bool:
@@ -195,11 +193,11 @@ class HFEngine:
             probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
         return int(torch.multinomial(probs, 1, generator=generator))
 
-    def load_weights(self, state_dict: dict[str, np.ndarray]) -> None:
-        """On CPU, arrays of the model's dtype are not copied: the parameters become read-only views of the arrays
+    def load_weights(self, tensors: Iterable[tuple[str, Any]]) -> None:
+        """On CPU, tensors of the model's dtype are not copied: the parameters become the given read-only views
         (zero-copy out of Ray's object store, shared by every replica on the node, kept alive by these views).
         Inference never writes to its weights. Anything else (another dtype, a GPU) is copied into place."""
-        torch = self.torch
+        state_dict = dict(tensors)
         current = self.model.state_dict()
         unexpected = sorted(set(state_dict) - set(current))
         tied = {"lm_head.weight"} if self.model.config.tie_word_embeddings else set()
@@ -209,15 +207,12 @@ class HFEngine:
         shapes = [k for k, v in state_dict.items() if tuple(v.shape) != tuple(current[k].shape)]
         if shapes:
             raise ValueError(f"state dict does not fit the model: shape mismatch for {shapes[:5]}")
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-            tensors = {k: torch.from_numpy(np.asarray(v)) for k, v in state_dict.items()}
-        zero_copy = self.device == "cpu" and all(t.dtype == current[k].dtype for k, t in tensors.items())
+        zero_copy = self.device == "cpu" and all(t.dtype == current[k].dtype for k, t in state_dict.items())
         if zero_copy:
-            self.model.load_state_dict(tensors, strict=False, assign=True)
+            self.model.load_state_dict(state_dict, strict=False, assign=True)
             self.model.tie_weights()  # assign replaced the embedding: point a tied lm_head at the new one
         else:
-            self.model.load_state_dict(tensors, strict=False)
+            self.model.load_state_dict(state_dict, strict=False)
 
 
 class VLLMEngine:
@@ -273,9 +268,8 @@ class VLLMEngine:
                                           "length" if o.finish_reason == "length" else "stop", list(prompt)))
         return completions
 
-    def load_weights(self, state_dict: dict[str, np.ndarray]) -> None:
-        import torch
-
-        weights = [(k, torch.from_numpy(np.asarray(v))) for k, v in state_dict.items()]
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+    def load_weights(self, tensors: Iterable[tuple[str, Any]]) -> None:
+        # in-process engine: the iterator itself reaches the model's loader, which copies each tensor into place
+        # as it comes (one bucket of the object store is held at a time)
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": tensors})
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights

@@ -12,13 +12,13 @@ import logging
 import time
 from typing import Any
 
-import numpy as np
 from pydantic import ValidationError
 from ray import serve
 
 from actors.config import PolicyConfig, SamplingConfig
 from actors.metrics import quiet_frameworks
 from actors.prompting import encode_chat
+from actors.weights import Weights
 from app.default_model import resolve_model
 from app.engines import Completion, completion_reply, make_engine
 
@@ -63,7 +63,7 @@ class Policy:
             controller = ray.get_actor(self.config.sync_from, namespace="raygent")
             latest = ray.get(controller.latest_weights_for_replica.remote(), timeout=120)
             if latest is not None and latest["version"] > self.version:
-                self.engine.load_weights(ray.get(latest["weights"], timeout=300))
+                self.engine.load_weights(latest["weights"].tensors(timeout_s=300))
                 self.version = int(latest["version"])
                 logger.warning("policy replica synced to the run's weight version %d", self.version)
         except ValueError:  # no such actor: the run has not started yet
@@ -140,16 +140,21 @@ class Policy:
         return [int(t) for t in prompt]  # type: ignore[union-attr]
 
     # ---- weights -----------------------------------------------------------------------------------------------
-    async def update_weights(self, state_dict: dict[str, np.ndarray], version: int) -> dict[str, Any]:
-        """Load a full state dict (numpy arrays, zero-copy out of the object store) as weight `version`.
-        Versions only go up: an older or equal version is refused, so a late broadcast can never roll back."""
+    async def update_weights(self, weights: Weights, version: int) -> dict[str, Any]:
+        """Load a full set of weights as weight `version`, streamed into the engine one bucket at a time (zero-copy
+        views of the object store). Generation waits for the running batch, then for the update: every reply comes
+        from one version. Versions only go up: an older or equal one is refused, so a late broadcast can never roll
+        back."""
         if version <= self.version:
             raise ValueError(f"weight version {version} is not newer than the replica's {self.version}")
+        if weights.dtype != self.config.dtype:
+            raise ValueError(f"weights in {weights.dtype} for an engine in {self.config.dtype}")
         started = time.perf_counter()
         async with self._engine_lock:
-            await asyncio.to_thread(self.engine.load_weights, state_dict)
+            await asyncio.to_thread(self.engine.load_weights, weights.tensors())
             self.version = version
-        return {"replica_id": self.replica_id, "version": version, "seconds": time.perf_counter() - started}
+        return {"replica_id": self.replica_id, "version": version, "seconds": time.perf_counter() - started,
+                "bytes": weights.nbytes}
 
     async def info(self) -> dict[str, Any]:
         import torch

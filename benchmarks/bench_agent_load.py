@@ -3,7 +3,10 @@ cluster), then N concurrent clients for S seconds alternating `POST /v1/chat/com
 (client-side sessions: a new one per request, ended or not), short replies.
 
 Reports requests, errors (goal 0), latency p50 / p99, and the resident memory of the Serve processes (replicas and
-proxy) before and after (goal: flat within 10%). Writes benchmarks/results/bench_agent_load.json.
+proxy), read every few seconds. The goal is memory that stays flat under load (within 10%): growth is measured
+from the end of a warm-up of the same load (`--warmup`) to the end of the run, because the step from an idle
+endpoint to 64 requests in flight is a one-off working set (threads, buffers, caches) and not growth with the
+requests served; the growth from idle is reported beside it. Writes benchmarks/results/bench_agent_load.json.
 
     python benchmarks/bench_agent_load.py                        # 64 clients, 60 s, 8 tokens
     python benchmarks/bench_agent_load.py --clients 16 --seconds 20 --keep-sessions
@@ -77,6 +80,9 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=60.0)
     parser.add_argument("--tokens", type=int, default=8)
     parser.add_argument("--keep-sessions", action="store_true", help="never DELETE the /v1/act sessions")
+    parser.add_argument("--warmup", type=float, default=15.0,
+                        help="seconds of the same load before the measured run (its memory is read after it)")
+    parser.add_argument("--sample-every", type=float, default=5.0, help="seconds between memory readings")
     parser.add_argument("--name", default="bench_agent_load")
     args = parser.parse_args()
 
@@ -89,22 +95,38 @@ def main() -> None:
         httpx.post(f"{url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
                                                       "max_tokens": args.tokens}, timeout=120)
         first_s = time.perf_counter() - first
+        idle = serve_rss_mib()
+        timeline: list[dict[str, Any]] = []
+        started = time.perf_counter()
+
+        def load(seconds: float, latencies: list, errors: list) -> float:
+            """`args.clients` clients for `seconds`, memory read every `args.sample_every` s meanwhile."""
+            deadline = time.time() + seconds
+            threads = [threading.Thread(target=client, args=(url, deadline, k, not args.keep_sessions, args.tokens,
+                                                             latencies, errors)) for k in range(args.clients)]
+            t0 = time.perf_counter()
+            for t in threads:
+                t.start()
+            while any(t.is_alive() for t in threads):
+                timeline.append({"t_s": round(time.perf_counter() - started, 1), "rss_mib": serve_rss_mib()})
+                next(t for t in threads if t.is_alive()).join(timeout=args.sample_every)
+            for t in threads:
+                t.join()
+            return time.perf_counter() - t0
+
+        if args.warmup:
+            load(args.warmup, [], [])
         before = serve_rss_mib()
         latencies: list[tuple[str, float]] = []
         errors: list[str] = []
-        deadline = time.time() + args.seconds
-        threads = [threading.Thread(target=client, args=(url, deadline, k, not args.keep_sessions, args.tokens,
-                                                         latencies, errors)) for k in range(args.clients)]
-        t0 = time.perf_counter()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        wall = time.perf_counter() - t0
+        wall = load(args.seconds, latencies, errors)
         after = serve_rss_mib()
 
     def pct(values: list[float], q: float) -> float | None:
         return statistics.quantiles(values, n=100)[q - 1] if len(values) >= 2 else None
+
+    def growth(start: dict[str, float], end: dict[str, float]) -> float | None:
+        return sum(end.values()) / sum(start.values()) - 1 if start else None
 
     all_s = [s for _, s in latencies]
     result: dict[str, Any] = {
@@ -114,13 +136,15 @@ def main() -> None:
         "p50_s": pct(all_s, 50), "p99_s": pct(all_s, 99),
         "by_route": {route: {"requests": len(v), "p50_s": pct(v, 50), "p99_s": pct(v, 99)}
                      for route in ("chat", "act") for v in [[s for r, s in latencies if r == route]]},
+        "warmup_s": args.warmup, "serve_rss_mib_idle": idle,
         "serve_rss_mib_before": before, "serve_rss_mib_after": after,
-        "serve_rss_growth": (sum(after.values()) / max(1e-9, sum(before.values()))) - 1 if before else None,
+        "serve_rss_growth": growth(before, after), "serve_rss_growth_from_idle": growth(idle, after),
+        "rss_timeline": timeline, "malloc_arena_max": os.environ.get("MALLOC_ARENA_MAX"),
         "machine_cpus": os.cpu_count(),
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{args.name}.json").write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps({k: v for k, v in result.items() if k not in ("by_route", "error_examples")}, indent=1))
+    print(json.dumps({k: v for k, v in result.items() if k not in ("by_route", "error_examples", "rss_timeline")}, indent=1))
     print(f"wrote benchmarks/results/{args.name}.json")
 
 

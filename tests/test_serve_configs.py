@@ -87,6 +87,9 @@ def test_gpu_recipe_without_a_gpu_fails_before_any_actor_starts(monkeypatch):
     ({"validation": {"split": "valid_unseen"}}, ["validation.split 'valid_unseen'", "allowed: ['val']"]),
     ({"env": {"name": "search", "kwargs": {"retriever": "serve"}}}, ["retriever 'serve'", "`retriever:` section"]),
     ({"algorithm": {"estimator": "hgpo", "params": {"history": 2}}}, ["args.algorithm", "do not fit estimator"]),
+    ({"policy": {"dtype": "fp8"}}, ["args.policy.dtype", "'float32', 'bfloat16' or 'float16'"]),
+    ({"weight_sync": {"bucket_mb": 10**7}}, ["args.weight_sync.bucket_mb", "does not fit", "eighth of this machine"]),
+    ({"weight_sync": {"bucket_mb": 0}}, ["args.weight_sync.bucket_mb", "greater than or equal to 1"]),
 ])
 def test_bad_train_config_names_the_field_and_what_is_allowed(args, words):
     with pytest.raises(ValueError) as err:

@@ -167,3 +167,29 @@ def steps_with_train_state(rank: int, world: int, port: int | None, folder: str,
     finally:
         if port is not None:
             dist.destroy_process_group()
+
+
+def packed_weights_on_ranks(rank: int, world: int, port: int, folder: str, dtype: str, bucket_bytes: int,
+                            out: str) -> None:
+    """One rank of a 2-rank FSDP2 model of `folder` packing its weights for the replicas (`pack_model_weights`,
+    each parameter gathered on its own); rank 0 saves what a replica would read, and the bucket sizes, to `out`."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from actors.trainer import _load_model, pack_model_weights
+    from actors.weights import bucket_tensors
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        model = _load_model(folder, torch.device("cpu"), "fsdp", mesh, {}, trainable=True)
+        weights = pack_model_weights(model, "fsdp", dtype, bucket_bytes, rank, put=np.copy)
+        if rank == 0:
+            tensors = {name: t.clone() for b in weights.buckets for name, t in bucket_tensors(b.ref, b.entries, dtype)}
+            torch.save({"tensors": tensors, "bucket_bytes": [b.nbytes for b in weights.buckets],
+                        "entries": [len(b.entries) for b in weights.buckets]}, out)
+        else:
+            assert weights is None
+    finally:
+        dist.destroy_process_group()

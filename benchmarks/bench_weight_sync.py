@@ -1,0 +1,163 @@
+"""Weight sync from the Train job to the policy replicas: the previous way vs bucketed, measured in one run.
+
+For a ~10M- and a ~100M-parameter model (the shapes of bench_policy's broadcast): the sender is two Ray actors
+holding the model under FSDP2 (gloo), as the Train job's ranks do; the receivers are two Ray actors each owning a
+vLLM engine, as Policy replicas do. Variants:
+- `full` (raygent before actors/weights.py): `get_model_state_dict(full_state_dict=True, cpu_offload=True)` gathers
+  the whole model on rank 0 as float32 numpy arrays, one `ray.put`, each receiver fetches the dict and loads it;
+- `bucketed` float32 and bfloat16: `pack_model_weights` gathers one parameter at a time into buckets of
+  `--bucket-mb` in the object store; each receiver streams them into its engine (`Weights.tensors()`); the
+  receivers' engines are in that dtype.
+Reported per variant: seconds per sync (sender + both receivers; median of repeats after a warm-up), the peak
+memory the sync adds to rank 0 and to a receiver (ru_maxrss of fresh processes, measured over their first sync:
+exact peaks; the object-store pages a process writes or reads count in both variants alike), and the bytes sent.
+Writes benchmarks/results/bench_weight_sync.json.
+
+    python benchmarks/bench_weight_sync.py [--repeats 3] [--bucket-mb 64] [--sizes 10M 100M]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+RESULTS = REPO_ROOT / "benchmarks" / "results"
+
+
+def peak_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", nargs="+", default=["10M", "100M"])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--bucket-mb", type=int, default=64)
+    args = parser.parse_args()
+
+    import ray
+    import torch
+
+    from actors.trainer import pack_model_weights
+    from app.default_model import build_default_model
+    from app.engines import make_engine
+    from benchmarks.bench_policy import BROADCAST_MODELS
+    from benchmarks.serve_process import free_port
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    bucket_bytes = args.bucket_mb * 2**20
+
+    @ray.remote(num_cpus=0.5)
+    class Rank:
+        """One FSDP2 rank of the sender (rank 0 puts what it packs in the object store)."""
+
+        def __init__(self, model_path: str, rank: int, port: int):
+            import torch.distributed as dist
+            from torch.distributed.device_mesh import init_device_mesh
+
+            from actors.trainer import _load_model
+
+            torch.set_num_threads(1)
+            self.rank = rank
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+            self.model = _load_model(model_path, torch.device("cpu"), "fsdp", init_device_mesh("cpu", (2,)), {},
+                                     trainable=True)
+            self.kept: Any = None
+
+        def params(self) -> int:
+            return sum(p.numel() for p in self.model.parameters())
+
+        def send(self, variant: str, dtype: str) -> dict[str, Any]:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            self.kept = None
+            before, started = peak_mib(), time.perf_counter()
+            if variant == "full":  # the previous path, as actors/trainer.py had it
+                sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True,
+                                                                               cpu_offload=True))
+                state = {k: v.detach().float().cpu().numpy() for k, v in sd.items()}
+                sent = [ray.put(state)] if self.rank == 0 else None
+                del sd, state
+            else:
+                sent = pack_model_weights(self.model, "fsdp", dtype, bucket_bytes, self.rank)
+            self.kept = sent
+            return {"sent": sent, "seconds": time.perf_counter() - started, "peak_added_mib": peak_mib() - before}
+
+    @ray.remote(num_cpus=0.5)
+    class Receiver:
+        def __init__(self, model_path: str, dtype: str):
+            torch.set_num_threads(1)
+            self.engine = make_engine("vllm", model_path, dtype=dtype, max_model_len=256, kv_cache_bytes=32 * 2**20)
+
+        def take(self, sent: Any) -> dict[str, Any]:
+            before, started = peak_mib(), time.perf_counter()
+            if isinstance(sent, list):  # the previous path: the whole dict fetched, then loaded
+                state = ray.get(sent[0])
+                self.engine.load_weights([(k, torch.from_numpy(v)) for k, v in state.items()])
+                del state
+            else:
+                self.engine.load_weights(sent.tensors())
+            return {"seconds": time.perf_counter() - started, "peak_added_mib": peak_mib() - before}
+
+    results: dict[str, Any] = {"bucket_mb": args.bucket_mb, "repeats": args.repeats, "receivers": 2,
+                               "engine": "vllm", "machine_cpus": os.cpu_count()}
+    for size in args.sizes:
+        model_path = str(build_default_model(BROADCAST_MODELS[size]))
+        out: dict[str, Any] = {}
+        params = 0
+        for dtype, variant in (("float32", "full"), ("float32", "bucketed"), ("bfloat16", "bucketed")):
+            port = free_port()  # fresh processes per variant: their first sync's peak is the variant's own
+            ranks = [Rank.remote(model_path, r, port) for r in range(2)]
+            receivers = [Receiver.remote(model_path, dtype) for _ in range(2)]
+            params = ray.get(ranks[0].params.remote())  # a DTensor counts its global elements
+            ray.get([r.__ray_ready__.remote() for r in receivers])
+            runs = []
+            for _ in range(args.repeats + 1):
+                started = time.perf_counter()
+                sent = ray.get([r.send.remote(variant, dtype) for r in ranks])
+                took = ray.get([r.take.remote(sent[0]["sent"]) for r in receivers])
+                runs.append({"sync_s": time.perf_counter() - started, "sender_s": sent[0]["seconds"],
+                             "receiver_s": max(t["seconds"] for t in took),
+                             "rank0_peak_added_mib": sent[0]["peak_added_mib"],
+                             "receiver_peak_added_mib": max(t["peak_added_mib"] for t in took),
+                             "bytes": (sum(v.nbytes for v in ray.get(sent[0]["sent"][0]).values())
+                                       if variant == "full" else sent[0]["sent"].nbytes),
+                             "buckets": 1 if variant == "full" else len(sent[0]["sent"].buckets)})
+                del sent
+            name = f"{variant}_{dtype}"
+            timed = runs[1:]  # the first sync warms up; its peaks are the processes' first (exact) ones
+            out[name] = {"sync_s": statistics.median(r["sync_s"] for r in timed),
+                         "sender_s": statistics.median(r["sender_s"] for r in timed),
+                         "receiver_s": statistics.median(r["receiver_s"] for r in timed),
+                         "rank0_peak_added_mib": runs[0]["rank0_peak_added_mib"],
+                         "receiver_peak_added_mib": runs[0]["receiver_peak_added_mib"],
+                         "bytes": runs[0]["bytes"], "buckets": runs[0]["buckets"], "runs": runs}
+            print(f"[{size}] {name}: {out[name]['sync_s']:.2f} s per sync, {out[name]['bytes'] / 2**20:.0f} MiB "
+                  f"in {out[name]['buckets']} bucket(s); peak added: rank 0 +{out[name]['rank0_peak_added_mib']:.0f}"
+                  f" MiB, receiver +{out[name]['receiver_peak_added_mib']:.0f} MiB", flush=True)
+            for actor in [*ranks, *receivers]:
+                ray.kill(actor)
+        full = out["full_float32"]
+        for name in ("bucketed_float32", "bucketed_bfloat16"):
+            out[name]["sync_s_ratio_to_full"] = out[name]["sync_s"] / full["sync_s"]
+            out[name]["rank0_peak_ratio_to_full"] = (out[name]["rank0_peak_added_mib"]
+                                                     / max(1e-9, full["rank0_peak_added_mib"]))
+        results[size] = {"params": params, **out}
+    ray.shutdown()
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "bench_weight_sync.json").write_text(json.dumps(results, indent=1) + "\n")
+    print("wrote benchmarks/results/bench_weight_sync.json")
+
+
+if __name__ == "__main__":
+    main()
