@@ -262,14 +262,15 @@ class Controller:
         versions = [i["version"] for i in infos if isinstance(i, dict)]
         if not always and versions and all(v == self.version for v in versions):
             return
-        weights = await asyncio.to_thread(self._pack, load_model_weights(Path(checkpoint) / "model").items())
+        weights = await asyncio.to_thread(self._pack_checkpoint, Path(checkpoint))
         self.version = max([self.version, *versions])
         await self._broadcast(weights)
         self._checkpointed_version = self.version
 
-    def _pack(self, tensors) -> Weights:
-        """Weights held by this controller (a checkpoint's), packed as the Train job packs its own."""
-        return pack_weights(tensors, self.cfg.policy.dtype, self.cfg.weight_sync.bucket_mb * 2**20)
+    def _pack_checkpoint(self, checkpoint: Path) -> Weights:
+        """A checkpoint's weights, held by this controller, packed as the Train job packs its own."""
+        return pack_weights(load_model_weights(checkpoint / "model").items(), self.cfg.policy.dtype,
+                            self.cfg.weight_sync.bucket_mb * 2**20)
 
     def latest_weights_for_replica(self) -> dict[str, Any] | None:
         """What a (re)starting policy replica loads before it serves: the latest weights and their version."""
