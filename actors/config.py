@@ -265,6 +265,10 @@ class WeightSyncConfig(_Section):
                              "memory)")
         return mb
 
+    @property
+    def bucket_bytes(self) -> int:
+        return self.bucket_mb * 2**20
+
 
 class CheckpointConfig(_Section):
     every: int = Field(10, ge=0, description="iterations between checkpoints (0 = only at the end)")

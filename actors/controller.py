@@ -222,7 +222,7 @@ class Controller:
             "model_path": model_path, "ref_model_path": self.reference_model, "optim": cfg.optim.model_dump(),
             "seed": cfg.seed, "pad_id": self.pad_id, "norm_length": cfg.loss_norm_length, "iterations": cfg.iterations,
             "mixed_precision": cfg.trainer.mixed_precision, "weights_dtype": cfg.policy.dtype,
-            "weights_bucket_bytes": cfg.weight_sync.bucket_mb * 2**20,
+            "weights_bucket_bytes": cfg.weight_sync.bucket_bytes,
             "activation_checkpointing": cfg.trainer.activation_checkpointing,
             "framework_log_level": cfg.logging.framework_level,
             **train_state_of(checkpoint),
@@ -270,7 +270,7 @@ class Controller:
     def _pack_checkpoint(self, checkpoint: Path) -> Weights:
         """A checkpoint's weights, held by this controller, packed as the Train job packs its own."""
         return pack_weights(load_model_weights(checkpoint / "model").items(), self.cfg.policy.dtype,
-                            self.cfg.weight_sync.bucket_mb * 2**20)
+                            self.cfg.weight_sync.bucket_bytes)
 
     def latest_weights_for_replica(self) -> dict[str, Any] | None:
         """What a (re)starting policy replica loads before it serves: the latest weights and their version."""

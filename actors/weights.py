@@ -92,10 +92,8 @@ class WeightPacker:
         if self._entries and start + size > self.bucket_bytes:
             self._flush()
             start = 0
-        if start + size > len(self._buffer):  # a fresh bucket buffer, or one tensor larger than a bucket
-            grown = np.empty(max(self.bucket_bytes, start + size), dtype=np.uint8)
-            grown[:self._used] = self._buffer[:self._used]
-            self._buffer = grown
+        if start + size > len(self._buffer):  # the first bucket, or a tensor larger than a bucket (here start is 0)
+            self._buffer = np.empty(max(self.bucket_bytes, size), dtype=np.uint8)
         self._buffer[start:start + size] = data.numpy()
         self._entries.append((name, tuple(tensor.shape), start))
         self._used = start + size
