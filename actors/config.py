@@ -24,7 +24,7 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-EngineName = Literal["auto", "vllm", "hf"]
+EngineName = Literal["auto", "vllm", "vllm-async", "hf"]
 
 
 class SamplingConfig(BaseModel):
@@ -43,7 +43,10 @@ class PolicyConfig(_Section):
     """What one policy replica loads and how it batches. Sizes are per replica."""
 
     model: str = Field("default", description='"default", "default:tiny", an HF folder, a checkpoint or a hub id')
-    engine: EngineName = "auto"
+    engine: EngineName = Field("auto", description=(
+        "vllm: vLLM's synchronous engine in the replica, one batch at a time (fast start); vllm-async: vLLM's async "
+        "engine in a child process, continuous batching across callers; hf: transformers; auto: vllm when it "
+        "imports, else hf"))
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="the engine's weights and compute; weights are sent to the replicas in this dtype")
     max_model_len: int = Field(1024, ge=16)

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import ray
 
 if TYPE_CHECKING:
+    import ray
     import torch
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -47,6 +47,8 @@ class Weights:
     def tensors(self, timeout_s: float = 300.0) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, tensor) for every weight, fetching one bucket at a time; the tensors are read-only views of the
         object store's copy (on the replica's node), alive as long as a tensor of the bucket is."""
+        import ray
+
         for bucket in self.buckets:
             yield from bucket_tensors(ray.get(bucket.ref, timeout=timeout_s), bucket.entries, self.dtype)
 
@@ -72,11 +74,16 @@ def bucket_tensors(data: np.ndarray, entries: Iterable[tuple[str, tuple[int, ...
 
 class WeightPacker:
     """Packs tensors, in the order given, into buckets of at most `bucket_bytes` (a tensor larger than that travels
-    alone in its own bucket) and puts each full bucket in the object store."""
+    alone in its own bucket) and puts each full bucket in the object store (`ray.put` unless `put` is given: the
+    bucket buffer is reused, so `put` must copy)."""
 
-    def __init__(self, dtype: str, bucket_bytes: int, put: Callable[[Any], ray.ObjectRef] = ray.put):
+    def __init__(self, dtype: str, bucket_bytes: int, put: Callable[[Any], ray.ObjectRef] | None = None):
         if dtype not in DTYPES:
             raise ValueError(f"weights dtype {dtype!r}; allowed: {', '.join(DTYPES)}")
+        if put is None:  # imported here, not at the top: packing without Ray (the GPU check) needs no Ray
+            import ray
+
+            put = ray.put
         self.dtype, self.bucket_bytes, self.put = dtype, int(bucket_bytes), put
         self.buckets: list[WeightBucket] = []
         self._buffer = np.empty(0, dtype=np.uint8)

