@@ -154,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--seeds", type=int, default=64, help="held-out seeds (the run's own validation seeds)")
     ev.add_argument("--samples", type=int, default=1, help="episodes per seed (pass@k for k up to this)")
     ev.add_argument("--temperature", type=float, help="default: the card's validation temperature")
-    ev.add_argument("--engine", default="auto", choices=["auto", "vllm", "vllm-async", "hf"])
+    ev.add_argument("--engine", default="auto", choices=["auto", "vllm", "hf"])
     ev.add_argument("--env", help="the env of a folder without an agent card")
     ev.add_argument("--env-kwargs", help="env kwargs on top of the card's, as JSON")
     ev.add_argument("--max-steps", type=int, help="episode step limit (default: the env's)")
