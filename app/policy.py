@@ -198,13 +198,11 @@ class Policy:
         views of the object store). Generation waits for the running batch, then for the update: every reply comes
         from one version. Versions only go up: an older or equal one is refused, so a late broadcast can never roll
         back."""
-        if version <= self.version:
-            raise ValueError(f"weight version {version} is not newer than the replica's {self.version}")
         if weights.dtype != self.config.dtype:
             raise ValueError(f"weights in {weights.dtype} for an engine in {self.config.dtype}")
         started = time.perf_counter()
         async with self._gate.update():
-            if version <= self.version:  # a concurrent update got there first
+            if version <= self.version:  # checked inside the gate: a concurrent update may have got there first
                 raise ValueError(f"weight version {version} is not newer than the replica's {self.version}")
             try:
                 await self._load(weights)
