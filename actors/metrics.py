@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +45,9 @@ DASHBOARD_METRICS = {
 }
 
 
+GAUGE_REFRESH_S = 5.0
+
+
 def prometheus_name(key: str) -> str:
     """What Ray's metrics agent calls the gauge of a metrics key."""
     return "ray_raygent_" + key.replace("/", "_")
@@ -71,6 +76,10 @@ class MetricsSink:
             self.path.unlink()
         resume = resume_iteration is not None
         self._gauges = self._make_gauges()
+        self._last: dict[str, float] = {}  # the last value of each gauge, re-set by the refresher
+        self._lock = threading.Lock()
+        if self._gauges:
+            threading.Thread(target=self._refresh_gauges, name="raygent-gauges", daemon=True).start()
         self._wandb = self._start_wandb(config, run_dir, resume) if logging_cfg.wandb else None
         self._mlflow = self._start_mlflow(config, resume) if logging_cfg.mlflow else None
 
@@ -90,6 +99,18 @@ class MetricsSink:
             return {}
         return {k: Gauge(prometheus_name(k).removeprefix("ray_"), description=d, tag_keys=("run",))
                 for k, (d, _) in DASHBOARD_METRICS.items()}
+
+    def _refresh_gauges(self) -> None:
+        """Re-set every gauge to its last value every few seconds, for as long as the process lives. Ray 2.60 exports
+        metrics through OpenTelemetry, whose recorder drops a gauge not set again within two report intervals
+        (~20 s): an iteration longer than that, an idle or finished run, would vanish from Prometheus and Grafana."""
+        tags = {"run": self.run_name}
+        while True:
+            time.sleep(GAUGE_REFRESH_S)
+            with self._lock:
+                last = dict(self._last)
+            for key, value in last.items():
+                self._gauges[key].set(value, tags=tags)
 
     def _start_wandb(self, config: dict[str, Any], run_dir: Path, resume: bool):
         import wandb
@@ -129,6 +150,8 @@ class MetricsSink:
         for key, gauge in self._gauges.items():
             if isinstance(record.get(key), (int, float)):
                 gauge.set(float(record[key]), tags={"run": self.run_name})
+                with self._lock:
+                    self._last[key] = float(record[key])
         numeric = {k: v for k, v in record.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
         step = int(record.get("iteration", len(self.records)))
         if self._wandb is not None:

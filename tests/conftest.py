@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,27 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def scrape_metrics(until: set[str] = frozenset(), timeout: float = 0.0, run: str | None = None) -> set[str]:
+    """Metric names on the cluster's Ray metrics export ports (Prometheus text format); with `run`, only the series
+    of that run. With `until`: scraped again (Ray exports every ~10 s) until all of those names are there or
+    `timeout` seconds have passed."""
+    import httpx
+    import ray
+
+    deadline = time.monotonic() + timeout
+    while True:
+        names: set[str] = set()
+        for node in ray.nodes():
+            if node["Alive"] and node.get("MetricsExportPort"):
+                text = httpx.get(f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics",
+                                 timeout=10).text
+                names |= {line.split("{")[0].split(" ")[0] for line in text.splitlines()
+                          if line and line[0] != "#" and (run is None or f'run="{run}"' in line)}
+        if until <= names or time.monotonic() > deadline:
+            return names
+        time.sleep(2.0)
 
 
 @pytest.fixture(scope="session")

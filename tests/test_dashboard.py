@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import re
+import time
+from pathlib import Path
 
 from actors.metrics import DASHBOARD_METRICS, grafana_dashboard, prometheus_name
 from tests.conftest import REPO
@@ -23,3 +25,31 @@ def test_dashboard_names_only_exported_gauges():
     assert used == exported
     panels = [p for p in grafana_dashboard()["panels"] if p["type"] == "timeseries"]
     assert len(panels) == len(DASHBOARD_METRICS)
+
+
+def test_gauges_stay_exported_while_the_run_is_idle(ray_cluster, tmp_path):
+    """Ray's OpenTelemetry recorder drops a gauge that is not set again within two report intervals (~20 s): a
+    run's last values must still be on the export port long after its last record (a long iteration, a finished
+    run)."""
+    import ray
+
+    from actors.config import LoggingConfig
+    from actors.metrics import MetricsSink
+    from tests.conftest import scrape_metrics
+
+    @ray.remote(num_cpus=0)
+    class Sink:
+        def __init__(self, run_dir: str):
+            self.sink = MetricsSink(Path(run_dir), "idle-run", LoggingConfig(jsonl=False), {}, None)
+
+        def log(self, record: dict) -> None:
+            self.sink.log(record)
+
+    sink = Sink.remote(str(tmp_path))
+    ray.get(sink.log.remote({"iteration": 1, "weight_version": 7.0}), timeout=60)
+    logged = time.monotonic()
+    name = prometheus_name("weight_version")
+    assert name in scrape_metrics(until={name}, timeout=30, run="idle-run"), "the gauge never reached the export port"
+    time.sleep(max(0.0, logged + 45 - time.monotonic()))  # past the recorder's eviction of a gauge set once
+    assert name in scrape_metrics(until={name}, timeout=15, run="idle-run"), "the gauge vanished once the run stopped logging"
+    ray.kill(sink)

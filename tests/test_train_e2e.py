@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from actors.metrics import prometheus_name
-from tests.conftest import REPO
+from tests.conftest import REPO, scrape_metrics
 from tests.serve_helpers import ServeRun, get_history, get_status, training_config, wait_for
 
 pytestmark = pytest.mark.slow
@@ -47,19 +47,6 @@ def kill_one(title: str) -> int:
     pid = pids_of(title)[0]
     os.kill(pid, signal.SIGKILL)
     return pid
-
-
-def scrape_metrics() -> set[str]:
-    """Metric names on the cluster's Ray metrics export ports (Prometheus text format)."""
-    import ray
-
-    names: set[str] = set()
-    for node in ray.nodes():
-        if node["Alive"] and node.get("MetricsExportPort"):
-            text = httpx.get(f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics",
-                             timeout=10).text
-            names |= {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and line[0] != "#"}
-    return names
 
 
 def test_train_kill_checkpoint_serve_and_resume(ray_cluster, serve_url, tmp_path):
@@ -138,9 +125,10 @@ def test_train_kill_checkpoint_serve_and_resume(ray_cluster, serve_url, tmp_path
         assert kl_before[-1] > 0, kl_before
 
         # The run's gauges reach Ray's metrics agent under the names the Grafana dashboard draws.
-        exported = scrape_metrics()
-        for key in ("weight_version", "train/success_rate", "train/kl", "val/success_rate", "time/iteration_s"):
-            assert prometheus_name(key) in exported, (key, sorted(n for n in exported if "raygent" in n))
+        wanted = {prometheus_name(k) for k in ("weight_version", "train/success_rate", "train/kl", "val/success_rate",
+                                               "time/iteration_s")}
+        exported = scrape_metrics(until=wanted, timeout=30)
+        assert wanted <= exported, sorted(n for n in exported if "raygent" in n)
 
         # The agent endpoint serves the checkpoint as it is: its folder says which env, memory and sampling.
         card = json.loads((checkpoint / "model" / "raygent_agent.json").read_text())
