@@ -118,6 +118,11 @@ class RolloutConfig(_Section):
     max_tokens: int = Field(16, ge=1, description="reply length limit per step")
     requests_per_step: int = Field(2, ge=1, description="concurrent policy calls per actor and step (spread "
                                                          "the live prompts over the replicas)")
+    route_by_group: bool = Field(False, description="each group's requests go to one replica (group g on lane g "
+                                                    "% requests_per_step), so its prefix cache holds the group's "
+                                                    "shared first prompt and each trajectory's earlier steps; off: "
+                                                    "Serve's routing by queue length (as fast or faster here, with "
+                                                    "the same hit rate: README, Performance)")
     policy_timeout_s: float = Field(300.0, gt=0, description="deadline of one policy call (a batch of prompts); "
                                                               "past it the call is retried once, then the "
                                                               "actor's groups are redone or dropped")
@@ -427,7 +432,7 @@ RESUMABLE_CHANGES = (
     "iterations", "checkpoint", "logging", "validation.every", "trainer.num_workers", "trainer.strategy",
     "trainer.cpus_per_worker", "trainer.task_timeout_s", "trainer.max_restarts",
     "trainer.activation_checkpointing", "optim.micro_batch_size", "rollout.num_env_actors", "rollout.env_actor_cpus",
-    "rollout.requests_per_step", "policy.engine", "policy.max_batch_size", "policy.batch_wait_timeout_s",
+    "rollout.requests_per_step", "rollout.route_by_group", "policy.engine", "policy.max_batch_size", "policy.batch_wait_timeout_s",
     "policy.kv_cache_bytes", "policy.gpu_memory_utilization", "policy.log_level", "output_dir", "weight_sync",
 )
 

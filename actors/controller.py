@@ -416,7 +416,7 @@ class Controller:
         async def call(actor: Any, part: np.ndarray):
             table_ref, metrics_ref = actor.rollout.remote(
                 seeds[part].tolist(), cfg.rollout.group_size, int(part[0]), self._sampling(cfg.rollout.temperature),
-                cfg.rollout.requests_per_step, cfg.seed, it, self.version)
+                cfg.rollout.requests_per_step, cfg.seed, it, self.version, cfg.rollout.route_by_group)
             return table_ref, await metrics_ref
 
         ok, faults = await self._on_actors(len(seeds), call, "groups")
@@ -447,6 +447,8 @@ class Controller:
                         "time/generate_s": max((p.get("generate_seconds", 0.0) for p in parts), default=0.0),
                         "perf/tokens_per_s": total("generated_tokens") / seconds,
                         "perf/prompt_tokens_per_step": total("prompt_tokens") / steps,
+                        # a trajectory's steps kept on one replica (`rollout.route_by_group`): its prefix cache hits
+                        "perf/same_replica_share": total("same_replica_steps") / max(total("later_steps"), 1),
                         "faults/rerolled_groups": int(total("rerolled_groups")),
                         "faults/dropped_groups": int(total("dropped_groups")),
                         "faults/prompt_too_long": int(total("prompt_too_long")),

@@ -26,6 +26,7 @@ from actors.demonstrations import play_demonstrations
 from actors.episodes import (
     Coalescer,
     Episode,
+    Lanes,
     episode_metrics,
     episode_sampling_seed,
     play,
@@ -85,11 +86,13 @@ class EnvGroupActor:
             pool.append(attach_retriever(envs.make(self.env_name, **kwargs), kwargs, self.retriever))
         return pool[:n]
 
-    async def _send(self, prompts: list[list[int]], samplings: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    async def _send(self, prompts: list[list[int]], samplings: list[dict[str, Any]],
+                    affinity: int | None = None) -> list[dict[str, Any]]:
         for attempt in range(2):  # one retry: a replica may be restarting
             try:
                 # a deadline: an engine that stopped answering must not hang the rollout (and the run) forever
-                return await asyncio.wait_for(self.policy.generate.remote(prompts, samplings), self.policy_timeout_s)
+                reply = self.policy.generate.remote(prompts, samplings, affinity=affinity)
+                return await asyncio.wait_for(reply, self.policy_timeout_s)
             except Exception as e:
                 if attempt == 1:
                     raise
@@ -97,35 +100,43 @@ class EnvGroupActor:
                 await asyncio.sleep(1.0)
         raise AssertionError("unreachable")
 
-    async def _play(self, seeds: Sequence[int], sampling_seeds: Sequence[int], sampling: dict[str, Any],
-                    env_kwargs: dict[str, Any], chunks: int) -> tuple[list[Episode], float]:
-        coalescer = Coalescer(self._send, chunks)
+    async def _play(self, seeds: Sequence[int], sampling_seeds: Sequence[int], groups: Sequence[int],
+                    sampling: dict[str, Any], env_kwargs: dict[str, Any], chunks: int,
+                    route_by_group: bool) -> tuple[list[Episode], float]:
+        if route_by_group:
+            lanes = Lanes(self._send, chunks)
+            generate, busy = [lanes.for_group(g) for g in groups], lanes
+        else:
+            coalescer = Coalescer(self._send, chunks)
+            generate, busy = [coalescer.generate] * len(seeds), coalescer
         games = self._envs(len(seeds), env_kwargs)
 
         def make(i: int):
-            decide = policy_decider(self.tokenizer, coalescer.generate, sampling, max_model_len=self.max_model_len,
+            decide = policy_decider(self.tokenizer, generate[i], sampling, max_model_len=self.max_model_len,
                                     sampling_seed=sampling_seeds[i])
             return (games[i], memory.make(self.memory_name, **self.memory_kwargs), decide, int(seeds[i]),
                     int(sampling_seeds[i]))
 
         episodes = await play_all(make, len(seeds))
-        return episodes, coalescer.busy_seconds
+        return episodes, busy.busy_seconds
 
     @ray.method(num_returns=2)
     async def rollout(self, seeds: Sequence[int], group_size: int, group_offset: int, sampling: dict[str, Any],
                       requests_per_step: int = 2, run_seed: int = 0, round_index: int = 0,
-                      expected_version: int | None = None) -> tuple[pa.Table, dict[str, Any]]:
+                      expected_version: int | None = None, route_by_group: bool = False
+                      ) -> tuple[pa.Table, dict[str, Any]]:
         """One episode per env of `len(seeds)` groups x `group_size` with the policy (env i of group g starts from
         seeds[g]). Group ids start at `group_offset`; trajectory id = group_id * group_size + member; each episode's
-        sampling seed comes from (run_seed, round_index, group id, member). Returns the step records and metrics."""
+        sampling seed comes from (run_seed, round_index, group id, member). `route_by_group`: each group's requests
+        keep to one replica (`Lanes`). Returns the step records and metrics."""
         started = time.perf_counter()
         groups = [group_offset + g for g in range(len(seeds)) for _ in range(group_size)]
         members = [m for _ in range(len(seeds)) for m in range(group_size)]
         env_seeds = [int(s) for s in seeds for _ in range(group_size)]
         sampling_seeds = [episode_sampling_seed(run_seed, round_index, g, m) for g, m in zip(groups, members,
                                                                                           strict=True)]
-        episodes, generate_seconds = await self._play(env_seeds, sampling_seeds, sampling, self.env_kwargs,
-                                                      requests_per_step)
+        episodes, generate_seconds = await self._play(env_seeds, sampling_seeds, groups, sampling, self.env_kwargs,
+                                                      requests_per_step, route_by_group)
         rows: dict[str, list] = {name: [] for name in RECORD_SCHEMA.names}
         for episode, group, member in zip(episodes, groups, members, strict=True):
             for s in episode.steps:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -55,6 +56,7 @@ class Decision:
     logprobs: list[float] = field(default_factory=list)
     weight_version: int = 0
     label: str | None = None
+    replica: str | None = None  # the Policy replica that answered (routing checks)
 
 
 class PromptTooLong(Exception):
@@ -79,6 +81,7 @@ class StepRecord:
     weight_version: int
     label: str | None = None
     env_error: str | None = None  # a service the env depends on failed at this step (counted, never fatal)
+    replica: str | None = None
 
 
 @dataclass
@@ -137,7 +140,8 @@ async def play(env: Any, memory: Any, decide: Decide, *, seed: int, max_steps: i
             step=t, observation=observation, reply=decision.reply, action=step_info.get("action"),
             valid=bool(step_info["is_action_valid"]), reward=float(reward), anchor=anchor,
             prompt_ids=decision.prompt_ids, response_ids=decision.response_ids, logprobs=decision.logprobs,
-            weight_version=decision.weight_version, label=decision.label, env_error=step_info.get("env_error")))
+            weight_version=decision.weight_version, label=decision.label, env_error=step_info.get("env_error"),
+            replica=decision.replica))
         total += float(reward)
         won = won or bool(step_info.get("won", False))
         observation, info = next_observation, step_info
@@ -181,19 +185,43 @@ def run_sync(coroutine: Awaitable[Any]) -> Any:
         return pool.submit(asyncio.run, coroutine).result()  # type: ignore[arg-type]
 
 
+class BusyClock:
+    """Seconds with at least one request in flight, over all the coalescers that share it."""
+
+    def __init__(self) -> None:
+        self._in_flight, self._since, self.seconds = 0, 0.0, 0.0
+
+    def start(self) -> None:
+        if self._in_flight == 0:
+            self._since = time.perf_counter()
+        self._in_flight += 1
+
+    def stop(self) -> None:
+        self._in_flight -= 1
+        if self._in_flight == 0:
+            self.seconds += time.perf_counter() - self._since
+
+
+Send = Callable[[list[list[int]], list[dict[str, Any]]], Awaitable[list[dict[str, Any]]]]
+
+
 class Coalescer:
     """Many coroutines' single-prompt `generate` calls become few batched requests, at most `chunks` in flight
     (one per replica). Prompts that arrive while every slot is busy wait for the next free slot, so the episodes a
     reply wakes go out together: a fixed split of every flush would halve the requests at each step as replies come
     back at different times (64, 32, 16, ... prompts per request). `send(prompts, samplings)` makes one request.
-    Also measures the time with a request in flight."""
+    Also measures the time with a request in flight (`clock`, which coalescers may share)."""
 
-    def __init__(self, send: Callable[[list[list[int]], list[dict[str, Any]]], Awaitable[list[dict[str, Any]]]],
-                 chunks: int = 1):
+    def __init__(self, send: Send, chunks: int = 1, clock: BusyClock | None = None):
         self.send, self.chunks = send, max(1, chunks)
+        self.clock = clock or BusyClock()
         self._pending: list[tuple[list[int], dict[str, Any], asyncio.Future]] = []
         self._scheduled = False
-        self._in_flight, self._busy_since, self.busy_seconds = 0, 0.0, 0.0
+        self._in_flight = 0
+
+    @property
+    def busy_seconds(self) -> float:
+        return self.clock.seconds
 
     async def generate(self, prompt: list[int], sampling: dict[str, Any]) -> dict[str, Any]:
         future = asyncio.get_running_loop().create_future()
@@ -213,8 +241,7 @@ class Coalescer:
         items, self._pending = self._pending, []
         for part in np.array_split(np.arange(len(items)), min(free, len(items))):
             if len(part):
-                if self._in_flight == 0:
-                    self._busy_since = time.perf_counter()
+                self.clock.start()
                 self._in_flight += 1
                 asyncio.ensure_future(self._request([items[i] for i in part]))
 
@@ -230,9 +257,26 @@ class Coalescer:
                     future.set_exception(e)
         finally:
             self._in_flight -= 1
-            if self._in_flight == 0:
-                self.busy_seconds += time.perf_counter() - self._busy_since
+            self.clock.stop()
             self._schedule()  # prompts that waited for a free slot
+
+
+class Lanes:
+    """Group affinity: the prompts of group g go out on lane g % lanes, one request in flight per lane, each request
+    naming its lane (`send(prompts, samplings, affinity=lane)`), which the Policy's router (`app.routing`) maps to one
+    replica. So the G envs of a group, which share their first prompt, and every later step of their trajectories
+    reach the replica whose prefix cache holds their earlier prompts."""
+
+    def __init__(self, send: Callable[..., Awaitable[list[dict[str, Any]]]], lanes: int):
+        self.clock = BusyClock()
+        self._lanes = [Coalescer(functools.partial(send, affinity=k), 1, self.clock) for k in range(max(1, lanes))]
+
+    def for_group(self, group: int) -> Generate:
+        return self._lanes[group % len(self._lanes)].generate
+
+    @property
+    def busy_seconds(self) -> float:
+        return self.clock.seconds
 
 
 # ---- deciders ---------------------------------------------------------------------------------------------------
@@ -249,7 +293,7 @@ def policy_decider(tokenizer: Any, generate: Generate, sampling: dict[str, Any],
         seed = None if sampling_seed is None else step_sampling_seed(sampling_seed, turn.step)
         reply = await generate(prompt, {**sampling, "seed": seed})
         return Decision(reply["text"], prompt, list(reply["token_ids"]), list(reply["logprobs"]),
-                        int(reply.get("weight_version", 0)))
+                        int(reply.get("weight_version", 0)), replica=reply.get("replica_id"))
 
     return decide
 
@@ -299,12 +343,16 @@ def scripted_decider(choose: Callable[[Turn], str | None]) -> Decide:
 
 # ---- what episodes add up to ------------------------------------------------------------------------------------
 def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
-    """Counts over episodes that add up across actors: episodes, wins, returns, steps, valid steps, token counts."""
+    """Counts over episodes that add up across actors: episodes, wins, returns, steps, valid steps, token counts,
+    and of the steps after a first, those answered by the replica that answered the step before (routing)."""
     steps = [s for e in episodes for s in e.steps]
+    follows = [(a.replica, b.replica) for e in episodes for a, b in zip(e.steps, e.steps[1:], strict=False)
+               if a.replica is not None and b.replica is not None]
     return {"episodes": len(episodes), "won": sum(e.won for e in episodes),
             "return_sum": float(sum(e.return_ for e in episodes)), "steps": len(steps),
             "valid_steps": sum(s.valid for s in steps),
             "prompt_too_long": sum(e.ended == "prompt_too_long" for e in episodes),
             "env_errors": sum(s.env_error is not None for s in steps),
             "generated_tokens": sum(len(s.response_ids) for s in steps),
-            "prompt_tokens": sum(len(s.prompt_ids) for s in steps)}
+            "prompt_tokens": sum(len(s.prompt_ids) for s in steps),
+            "later_steps": len(follows), "same_replica_steps": sum(a == b for a, b in follows)}

