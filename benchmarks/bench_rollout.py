@@ -44,8 +44,10 @@ def load_config(path: Path) -> TrainConfig:
     return build_config(str(path), None, {})
 
 
-def seeds_for(cfg: TrainConfig, n_groups: int) -> np.ndarray:
-    return envs.group_seeds(cfg.seed, 0, n_groups, "train")
+def round_seeds(cfg: TrainConfig, n_groups: int, index: int) -> np.ndarray:
+    """The rooms of round `index` (round 0 warms up), as iteration `index` of a run draws them: every round on new
+    rooms, whose first prompts no engine has cached, in both the single process and the actor system."""
+    return envs.group_seeds(cfg.seed, index, n_groups, "train")
 
 
 def single_process(cfg: TrainConfig, model_path: str, n_groups: int, repeats: int) -> dict[str, Any]:
@@ -54,9 +56,8 @@ def single_process(cfg: TrainConfig, model_path: str, n_groups: int, repeats: in
     engine = make_engine(cfg.policy.engine, model_path, max_model_len=cfg.policy.max_model_len)
     sampling = {"temperature": cfg.rollout.temperature, "top_p": cfg.rollout.top_p,
                 "max_tokens": cfg.rollout.max_tokens}
-    seeds = np.repeat(seeds_for(cfg, n_groups), cfg.rollout.group_size)  # a group's members share its seed
-
-    def episodes():
+    def episodes(index: int):
+        seeds = np.repeat(round_seeds(cfg, n_groups, index), cfg.rollout.group_size)  # members share the seed
         coalescer = Coalescer(in_process_send(engine))
 
         def make(i: int):
@@ -68,18 +69,18 @@ def single_process(cfg: TrainConfig, model_path: str, n_groups: int, repeats: in
         return run_sync(play_all(make, len(seeds)))
 
     rates = []
-    for repeat in range(repeats + 1):  # the first round warms the engine up
+    for index in range(repeats + 1):  # round 0 warms the engine up
         started = time.perf_counter()
-        steps = sum(len(e.steps) for e in episodes())
-        if repeat:
+        steps = sum(len(e.steps) for e in episodes(index))
+        if index:
             rates.append(steps / (time.perf_counter() - started))
     return {"env_steps_per_s": statistics.median(rates), "runs": rates}
 
 
 def actor_system(ray, cfg: TrainConfig, model_path: str, n_groups: int, actors: int, replicas: int, repeats: int,
                  route_by_group: bool | None = None) -> dict[str, Any]:
-    """Env steps/s of `repeats` rollouts (after a warm-up), each on new seeds (a training iteration's rooms, whose
-    first prompts no replica has seen), and the replicas' prefix-cache hit rate over them."""
+    """Env steps/s of `repeats` rollouts after a warm-up (`round_seeds`), the replicas' prefix-cache hit rate over
+    them, and the share of a trajectory's later steps answered by its previous step's replica."""
     from ray import serve
 
     from actors.env_group import EnvGroupActor
@@ -103,39 +104,31 @@ def actor_system(ray, cfg: TrainConfig, model_path: str, n_groups: int, actors: 
         caches = [i["prefix_cache"] or {"queries": 0, "hits": 0} for i in infos]
         return {key: sum(c[key] for c in caches) for key in ("queries", "hits")}
 
-    same_replica = {"later_steps": 0, "same_replica_steps": 0}
-
-    async def one_round(index: int) -> tuple[int, float]:
-        seeds = envs.group_seeds(cfg.seed, index, n_groups, "train")
+    async def one_round(index: int) -> tuple[list[dict[str, Any]], float]:
+        seeds = round_seeds(cfg, n_groups, index)
         started = time.perf_counter()
         calls = [a.rollout.remote(seeds[s].tolist(), cfg.rollout.group_size, int(s[0]), sampling,
                                   cfg.rollout.requests_per_step, cfg.seed, index, route_by_group=route_by_group)
                  for a, s in zip(env_actors, slices, strict=False)]
         metrics = await asyncio.gather(*(m for _, m in calls))
-        for key in same_replica:
-            same_replica[key] += sum(m[key] for m in metrics) if index else 0
-        return sum(m["steps"] for m in metrics), time.perf_counter() - started
-
-    async def measure() -> list[float]:
-        rates = []
-        for index in range(1, repeats + 1):
-            steps, seconds = await one_round(index)
-            rates.append(steps / seconds)
-        return rates
+        return metrics, time.perf_counter() - started
 
     asyncio.run(one_round(0))  # warm-up
     before = prefix_cache()
-    rates = asyncio.run(measure())
+    rounds = [asyncio.run(one_round(index)) for index in range(1, repeats + 1)]
     after = prefix_cache()
     for a in env_actors:
         ray.kill(a)
     serve.delete("bench-rollout")
+    rates = [sum(m["steps"] for m in metrics) / seconds for metrics, seconds in rounds]
+    parts = [m for metrics, _ in rounds for m in metrics]
+    later, same = (sum(m[key] for m in parts) for key in ("later_steps", "same_replica_steps"))
     queries, hits = after["queries"] - before["queries"], after["hits"] - before["hits"]
     return {"actors": actors, "replicas": replicas, "route_by_group": route_by_group,
             "env_steps_per_s": statistics.median(rates), "runs": rates,
             "prefix_cache_queries": queries, "prefix_cache_hits": hits,
             "prefix_cache_hit_rate": hits / queries if queries else None,
-            "same_replica_share": same_replica["same_replica_steps"] / max(same_replica["later_steps"], 1)}
+            "same_replica_share": same / max(later, 1)}
 
 
 def prompt_growth(cfg: TrainConfig, model_path: str, steps: int) -> dict[str, Any]:
