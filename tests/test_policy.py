@@ -146,8 +146,10 @@ def test_requests_with_one_affinity_key_reach_one_replica(policies):
         replicas[key] = {r["replica_id"] for resp in responses for r in resp.result()}
     assert all(len(ids) == 1 for ids in replicas.values()), replicas
     assert replicas[0] != replicas[1] and replicas[0] == replicas[2] and replicas[1] == replicas[3], replicas
-    unkeyed = [handle.generate.remote([CHAT], sampling) for _ in range(24)]
-    assert len({r["replica_id"] for resp in unkeyed for r in resp.result()}) == 2
+    # one at a time: both queues are empty, so the router's random draw decides (a burst sent at once may all go
+    # to the replica whose cached queue length looked shorter)
+    unkeyed = {handle.generate.remote([CHAT], sampling).result()[0]["replica_id"] for _ in range(24)}
+    assert len(unkeyed) == 2
 
 
 def test_a_rollout_routed_by_group_keeps_each_trajectory_on_one_replica(ray_cluster, policies, default_model):
