@@ -126,12 +126,30 @@ class RolloutConfig(_Section):
     policy_timeout_s: float = Field(300.0, gt=0, description="deadline of one policy call (a batch of prompts); "
                                                               "past it the call is retried once, then the "
                                                               "actor's groups are redone or dropped")
+    mode: Literal["sync", "async"] = Field(
+        "sync", description="sync: each iteration's rollout, then its update; async: the rollouts of the next "
+                            "max_staleness iterations run while the Train job updates (README, Async rollout)")
+    max_staleness: int | None = Field(
+        None, ge=1, le=8, description="async only (default 1): the most weight versions a trained row may lag the "
+                                      "trainer's; older rows are left out of the loss and counted")
 
     @model_validator(mode="after")
     def _enough_groups(self) -> RolloutConfig:
         if self.num_env_actors > self.n_groups:
             raise ValueError(f"num_env_actors ({self.num_env_actors}) must be <= n_groups ({self.n_groups})")
         return self
+
+    @model_validator(mode="after")
+    def _staleness_is_async(self) -> RolloutConfig:
+        if self.mode == "sync" and self.max_staleness is not None:
+            raise ValueError(f"max_staleness ({self.max_staleness}) applies to mode 'async' only; allowed modes: "
+                             "['sync', 'async']")
+        return self
+
+    @property
+    def lookahead(self) -> int:
+        """How many iterations ahead of the update rollouts run: 0 in sync mode, max_staleness in async."""
+        return (self.max_staleness or 1) if self.mode == "async" else 0
 
 
 class AlgorithmConfig(_Section):
@@ -334,6 +352,18 @@ class TrainConfig(_Section):
         if self.optim.old_logprobs == "rollout" and (self.rollout.temperature != 1.0 or self.rollout.top_p != 1.0):
             raise ValueError("optim.old_logprobs 'rollout' needs rollout.temperature 1.0 and rollout.top_p 1.0 "
                              "(the engine's log-probs are then the policy's); otherwise use 'recompute'")
+        return self
+
+    @model_validator(mode="after")
+    def _async_is_corrected(self) -> TrainConfig:
+        # Async rows were sampled by weights up to max_staleness versions old: the clip is taken around the
+        # trainer's own log-probs (the proximal policy of decoupled PPO) and the behaviour gap is corrected.
+        if self.rollout.mode == "async" and (self.optim.old_logprobs != "recompute"
+                                             or self.optim.rollout_correction == "none"):
+            raise ValueError("rollout.mode 'async' trains on rows sampled by older weights: it needs "
+                             "optim.old_logprobs 'recompute' (got "
+                             f"{self.optim.old_logprobs!r}) and optim.rollout_correction 'tis' or 'mask' (got "
+                             f"{self.optim.rollout_correction!r}): decoupled PPO (README, Async rollout)")
         return self
 
     @model_validator(mode="after")

@@ -4,6 +4,8 @@ policy replica, schedules validation and checkpoints, and answers status queries
 One iteration, as a loop you can read top to bottom (`_iteration`):
   rollout (env-group actors x policy replicas) -> Ray Dataset of step records -> advantages per group
   -> the long-lived Train job (one shard per worker) -> new weights -> broadcast -> log.
+In async mode (`rollout.mode: async`) the same loop starts each rollout `max_staleness` iterations before its
+update (`_train`), so the env-group actors keep producing while the Train job updates.
 """
 
 from __future__ import annotations
@@ -96,6 +98,9 @@ class Controller:
         self.restarts = 0
         self.replica_sync_failures = 0
         self.checkpoint_failures = 0
+        self.drained_rollouts = 0
+        self._revivals: dict[int, asyncio.Lock] = {}
+        self._rollout_spans: list[list[float | None]] = []  # [start, end or None while running]
         self._task: asyncio.Task | None = None
         self.started_at = time.time()
         self._config_hash = config_hash
@@ -321,31 +326,56 @@ class Controller:
                     self.last_checkpoint, self.last_checkpoint)
 
     async def _train(self, val_seeds: np.ndarray) -> None:
+        """The RL iterations. The rollout of iteration r starts `lookahead` iterations before its update (0 in sync
+        mode; max_staleness in async, so the rollouts of the next iterations run while this one trains): its rows
+        then lag the trainer's weights by at most that many versions."""
         cfg = self.cfg
         self.phase = "training"
-        while self.iteration < cfg.iterations and not self._stop:
-            it = self.iteration
-            record = await self._iteration(it)
-            self.iteration = it + 1
-            last = self.iteration == cfg.iterations
-            if cfg.validation.every and (last or self.iteration % cfg.validation.every == 0):
-                record.update(await self._validate(val_seeds, log=False))
-            if last or self._stop or (cfg.checkpoint.every and self.iteration % cfg.checkpoint.every == 0):
-                t0 = time.perf_counter()
-                await self._checkpoint()
-                record["time/checkpoint_s"] = time.perf_counter() - t0
-            await self._answer_checkpoint_requests()
-            self._log(record)
-            self._print_line(record)
+        ahead = cfg.rollout.lookahead
+        rollouts: dict[int, asyncio.Task] = {}
+        try:
+            while self.iteration < cfg.iterations and not self._stop:
+                it = self.iteration
+                await self._sync_replicas()
+                for r in range(it, min(it + ahead + 1, cfg.iterations)):
+                    if r not in rollouts:
+                        rollouts[r] = asyncio.get_running_loop().create_task(self._rollout(r))
+                record = await self._iteration(it, rollouts.pop(it))
+                self.iteration = it + 1
+                last = self.iteration == cfg.iterations
+                if cfg.validation.every and (last or self.iteration % cfg.validation.every == 0):
+                    record.update(await self._validate(val_seeds, log=False))
+                if last or self._stop or (cfg.checkpoint.every and self.iteration % cfg.checkpoint.every == 0):
+                    t0 = time.perf_counter()
+                    await self._checkpoint()
+                    record["time/checkpoint_s"] = time.perf_counter() - t0
+                await self._answer_checkpoint_requests()
+                self._log(record)
+                self._print_line(record)
+        finally:
+            await self._drain(rollouts)
+
+    async def _drain(self, rollouts: dict[int, asyncio.Task]) -> None:
+        """Rollouts started for iterations that will not train here (a stop, or a Train job restart that rolls the
+        run back): their episodes finish, so no env or replica is left mid-episode, and their rows are not trained
+        (a resume redoes those iterations)."""
+        if not rollouts:
+            return
+        logger.info("draining %d rollouts started ahead (iterations %s); their rows are not trained",
+                    len(rollouts), sorted(r + 1 for r in rollouts))
+        _, late = await asyncio.wait(list(rollouts.values()), timeout=2 * self.cfg.rollout.policy_timeout_s)
+        for task in late:
+            task.cancel()
+        self.drained_rollouts += len(rollouts)
 
     # ---- one iteration ---------------------------------------------------------------------------------------
-    async def _iteration(self, it: int) -> dict[str, Any]:
+    async def _iteration(self, it: int, rollout: asyncio.Task) -> dict[str, Any]:
+        """Wait for iteration `it`'s rollout, build its batch, update, broadcast; in async mode the rollouts of
+        later iterations run meanwhile, and the share of the update they overlap is logged."""
         cfg = self.cfg
         t_start = time.perf_counter()
-        await self._sync_replicas()
         self.phase = "rollout"
-        seeds = envs.group_seeds(cfg.seed, it, cfg.rollout.n_groups, "train")
-        tables, roll = await self._rollout(it, seeds)
+        tables, roll, (roll_start, roll_end) = await rollout
         t_rollout = time.perf_counter()
         self.phase = "learning"
         record: dict[str, Any] = {"iteration": it + 1, "phase": "train", **self._rollout_metrics(roll, "train")}
@@ -362,25 +392,51 @@ class Controller:
         record.update({"data/rows": len(summary), "data/step_group_share": stats["step_group_share"],
                        "data/step_group_mean_size": stats["step_group_mean_size"],
                        "data/advantage_abs_mean": float(np.abs(summary["advantage"]).mean()),
-                       "data/advantage_std": float(summary["advantage"].std())})
-        results = await self.trainer.run({"kind": "rl", "shards": shards, "iteration": it, "want_weights": True})
+                       "data/advantage_std": float(summary["advantage"].std()),
+                       **self._group_checks(summary)})
+        results = await self.trainer.run({"kind": "rl", "shards": shards, "iteration": it, "want_weights": True,
+                                          "version": self.version, "max_staleness": cfg.rollout.lookahead})
         t_train = time.perf_counter()
         record.update({f"train/{k}": v for k, v in results[0]["metrics"].items()})
         await self._broadcast(results[0]["weights"])
         t_end = time.perf_counter()
-        record.update({"weight_version": self.version, "time/rollout_s": t_rollout - t_start,
-                       "time/dataset_s": t_data - t_rollout, "time/train_s": t_train - t_data,
-                       "time/broadcast_s": t_end - t_train, "time/iteration_s": t_end - t_start})
+        record.update({"weight_version": self.version, "time/rollout_s": roll_end - roll_start,
+                       "time/rollout_wait_s": t_rollout - t_start, "time/dataset_s": t_data - t_rollout,
+                       "time/train_s": t_train - t_data, "time/broadcast_s": t_end - t_train,
+                       "time/iteration_s": t_end - t_start,
+                       "perf/overlap_share": self._overlap(t_data, t_train),
+                       "faults/drained_rollouts": self.drained_rollouts})
         return record
+
+    def _overlap(self, start: float, end: float) -> float:
+        """The share of [start, end] (an update) during which some rollout was running."""
+        spans = sorted((max(a, start), min(b if b is not None else end, end)) for a, b in self._rollout_spans)
+        covered, reach = 0.0, start
+        for a, b in spans:
+            if b > max(a, reach):
+                covered += b - max(a, reach)
+                reach = b
+        self._rollout_spans = [(a, b) for a, b in self._rollout_spans if b is None or b > end]
+        return covered / max(end - start, 1e-9)
 
     def _build_dataset(self, tables: list[Any]):
         """The iteration's Dataset from the env-group actors' blocks (`actors.batch`: advantages where the rows
         are, whole-batch statistics merged from the blocks), then one shard per training worker, no row dropped."""
-        ds = build_batch(tables, self.cfg.algorithm, self.version)
-        summary = ds.select_columns(["group_id", "anchor", "advantage"]).to_pandas()
+        sync = self.cfg.rollout.mode == "sync"  # async: a group's rows may span versions; the trainer checks each
+        ds = build_batch(tables, self.cfg.algorithm, self.version if sync else None)
+        summary = ds.select_columns(["group_id", "traj_id", "anchor", "advantage", "weight_version"]).to_pandas()
         if len(summary) == 0:
             return None, summary, None
         return ds, summary, split_for_workers(ds, self.cfg.trainer.num_workers)
+
+    def _group_checks(self, summary: Any) -> dict[str, int]:
+        """What the batch's groups hold: groups that lack a trajectory (must be 0: a group trains whole or not at
+        all) and groups whose rows span weight versions (async mode: an update landed mid-episode)."""
+        per_group = summary.groupby("group_id").agg(trajs=("traj_id", "nunique"), versions=("weight_version",
+                                                                                            "nunique"))
+        return {"data/groups": len(per_group),
+                "data/incomplete_groups": int((per_group["trajs"] != self.cfg.rollout.group_size).sum()),
+                "data/mixed_version_groups": int((per_group["versions"] > 1).sum())}
 
     def _sampling(self, temperature: float) -> dict[str, Any]:
         r = self.cfg.rollout
@@ -408,29 +464,40 @@ class Controller:
         done = await asyncio.gather(*(one(k, part) for k, part in enumerate(slices)))
         return [d for d in done if d is not None], faults
 
-    async def _rollout(self, it: int, seeds: np.ndarray) -> tuple[list[Any], list[dict[str, Any]]]:
-        """The iteration's groups, spread over the env-group actors: their record blocks (object refs, never
-        fetched here) and rollout metrics."""
+    async def _rollout(self, it: int) -> tuple[list[Any], list[dict[str, Any]], tuple[float, float]]:
+        """Iteration `it`'s groups, spread over the env-group actors: their record blocks (object refs, never
+        fetched here), rollout metrics, and when it ran."""
         cfg = self.cfg
+        seeds = envs.group_seeds(cfg.seed, it, cfg.rollout.n_groups, "train")
+        # In sync mode every row must come from the weights of this moment (a replica on others is counted);
+        # in async mode versions move during the rollout and the trainer checks each row's.
+        expected = self.version if cfg.rollout.mode == "sync" else None
+        span = [time.perf_counter(), None]
+        self._rollout_spans.append(span)
 
         async def call(actor: Any, part: np.ndarray):
             table_ref, metrics_ref = actor.rollout.remote(
                 seeds[part].tolist(), cfg.rollout.group_size, int(part[0]), self._sampling(cfg.rollout.temperature),
-                cfg.rollout.requests_per_step, cfg.seed, it, self.version, cfg.rollout.route_by_group)
+                cfg.rollout.requests_per_step, cfg.seed, it, expected, cfg.rollout.route_by_group)
             return table_ref, await metrics_ref
 
-        ok, faults = await self._on_actors(len(seeds), call, "groups")
+        try:
+            ok, faults = await self._on_actors(len(seeds), call, "groups")
+        finally:
+            span[1] = time.perf_counter()
         metrics = [m for _, m in ok] or [{"episodes": 0}]
         metrics[0]["rerolled_groups"], metrics[0]["dropped_groups"] = faults
-        return [t for t, _ in ok], metrics
+        return [t for t, _ in ok], metrics, (span[0], span[1])
 
     async def _revive_env_actor(self, k: int) -> None:
-        """Wait for Ray to restart the actor (max_restarts=-1); replace it if it cannot come back."""
-        try:
-            await asyncio.wait_for(self.env_actors[k].ready.remote(), timeout=60)
-        except Exception:
-            self.env_actors[k] = self._make_env_actor()
-            await self.env_actors[k].ready.remote()
+        """Wait for Ray to restart the actor (max_restarts=-1); replace it if it cannot come back. One revival per
+        actor at a time: in async mode two rollouts may have lost the same actor."""
+        async with self._revivals.setdefault(k, asyncio.Lock()):
+            try:
+                await asyncio.wait_for(self.env_actors[k].ready.remote(), timeout=60)
+            except Exception:
+                self.env_actors[k] = self._make_env_actor()
+                await asyncio.wait_for(self.env_actors[k].ready.remote(), timeout=300)
 
     def _rollout_metrics(self, parts: list[dict[str, Any]], prefix: str) -> dict[str, Any]:
         def total(key: str) -> float:
@@ -613,7 +680,9 @@ class Controller:
         val = f" | val success {100 * r['val/success_rate']:.1f}%" if "val/success_rate" in r else ""
         logger.info(
             "iter %d/%d | success %.1f%% | return %.2f | valid %.1f%% | steps/s %.0f | rollout %.1fs data %.1fs "
-            "train %.1fs bcast %.2fs%s", r["iteration"], self.cfg.iterations, 100 * r.get("train/success_rate", 0),
+            "train %.1fs bcast %.2fs%s%s", r["iteration"], self.cfg.iterations, 100 * r.get("train/success_rate", 0),
             r.get("train/return", 0.0), 100 * r.get("train/valid_action_ratio", 0), r.get("perf/env_steps_per_s", 0),
             r.get("time/rollout_s", 0), r.get("time/dataset_s", 0), r.get("time/train_s", 0),
-            r.get("time/broadcast_s", 0), val)
+            r.get("time/broadcast_s", 0), val,
+            f" | staleness max {r.get('train/staleness_max', 0)} overlap {100 * r.get('perf/overlap_share', 0):.0f}%"
+            if self.cfg.rollout.mode == "async" else "")

@@ -176,6 +176,21 @@ def lr_at(optim: OptimConfig, iteration: int, iterations: int) -> float:
 _TOKEN_STATS = ("approx_kl", "clip_frac", "clip_frac_low", "clip_frac_high", "ratio_mean", "entropy", "kl")
 
 
+def fresh_rows(rows: dict[str, list], version: int, max_staleness: int) -> tuple[dict[str, list], np.ndarray]:
+    """The rows that may enter the loss: those sampled by weight versions `version - max_staleness` .. `version`
+    (the trainer holds `version`). Returns them and a histogram of every row's staleness (version - its
+    weight_version): bins 0..max_staleness, then one bin for the rows left out (older, or from a version the
+    trainer never had)."""
+    staleness = version - np.asarray(rows.get("weight_version", []), dtype=np.int64)
+    fresh = (staleness >= 0) & (staleness <= max_staleness)
+    hist = np.bincount(staleness[fresh], minlength=max_staleness + 1).astype(np.float64)
+    hist = np.append(hist, float(np.count_nonzero(~fresh)))
+    if fresh.all():
+        return rows, hist
+    keep = np.flatnonzero(fresh)
+    return {k: [v[i] for i in keep] for k, v in rows.items()}, hist
+
+
 def behaviour_logprobs(model: torch.nn.Module, rows: dict[str, list], optim: OptimConfig, *, pad_id: int,
                        device: torch.device | str, collective: Collective = ALONE,
                        autocast_dtype: torch.dtype | None = None) -> list[np.ndarray]:

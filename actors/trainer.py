@@ -208,7 +208,7 @@ def train_loop_per_worker(cfg: dict[str, Any]) -> None:
     import torch
 
     from actors.config import OptimConfig
-    from actors.learner import Collective, lr_at, rl_step, sft_step
+    from actors.learner import Collective, fresh_rows, lr_at, rl_step, sft_step
     from actors.metrics import quiet_frameworks
 
     quiet_frameworks(cfg.get("framework_log_level", "WARNING"))
@@ -241,10 +241,20 @@ def train_loop_per_worker(cfg: dict[str, Any]) -> None:
             rows = _rows(task["shards"][rank])
             read_seconds = time.perf_counter() - t0
             t0 = time.perf_counter()
-            metrics = rl_step(model, optimizer, rows, optim, lr=lr_at(optim, task["iteration"], cfg["iterations"]),
-                              norm_length=cfg["norm_length"], pad_id=pad_id, device=device, rng=rng,
-                              collective=collective, ref_model=ref_model, autocast_dtype=autocast_dtype)
-            metrics.update(read_seconds=read_seconds, update_seconds=time.perf_counter() - t0)
+            # Every row's lag behind the weights trained here, checked where the rows are consumed: rows past
+            # max_staleness are left out of the loss (counted in the histogram's last bin, summed over ranks).
+            rows, hist = fresh_rows(rows, task["version"], task["max_staleness"])
+            hist = np.asarray(collective.sum(hist.tolist()))
+            if hist[:-1].sum() > 0:
+                metrics = rl_step(model, optimizer, rows, optim,
+                                  lr=lr_at(optim, task["iteration"], cfg["iterations"]),
+                                  norm_length=cfg["norm_length"], pad_id=pad_id, device=device, rng=rng,
+                                  collective=collective, ref_model=ref_model, autocast_dtype=autocast_dtype)
+            else:  # every row too stale (e.g. replicas that missed updates): no update, the weights stay
+                metrics = {"rows": 0}
+            metrics.update(read_seconds=read_seconds, update_seconds=time.perf_counter() - t0,
+                           staleness_hist=[int(h) for h in hist[:-1]], too_stale_rows=int(hist[-1]),
+                           staleness_max=int(np.flatnonzero(hist[:-1])[-1]) if hist[:-1].any() else 0)
         elif kind == "sft":
             if task.get("shards") is not None:
                 sft_data = _rows(task["shards"][rank])

@@ -205,6 +205,65 @@ def test_three_resumes_with_keep_1_and_a_restart_after_the_last(ray_cluster, ser
     assert (runs / "reference" / "model.safetensors").exists()
 
 
+def test_async_rollout_bounds_staleness_survives_kills_and_stops_with_a_checkpoint(ray_cluster, serve_url, tmp_path):
+    """`rollout.mode: async` with max_staleness 1, from `serve run`: the next iteration's rollout runs while the
+    Train job updates (overlap > 0, rows one version old reach the loss), no row the trainer saw lags more than one
+    version (the Train job's own check of every row), every group that trained was whole; an env-group actor and a
+    replica killed mid-run cost only their unfinished episodes (redone, counted); `/stop` finishes the iteration,
+    checkpoints it, drains the rollout started ahead and stops."""
+    from ray import serve
+
+    address = ray_cluster.get_runtime_context().gcs_address
+    port = int(serve_url.rsplit(":", 1)[1])
+    serve.delete("train")
+    config = training_config(REPO / "serve_configs" / "test_tiny.yaml", tmp_path / "config.yaml", port,
+                             tmp_path / "runs", run_name="e2e-async", iterations=30, warm_start={"enabled": False},
+                             env={"name": "sokoban", "kwargs": {"max_steps": 6}},  # short untrained episodes
+                             rollout={"n_groups": 4, "group_size": 4, "num_env_actors": 2, "max_tokens": 12,
+                                      "mode": "async", "max_staleness": 1},
+                             optim={"lr": 1.0e-3, "minibatch_size": 128, "micro_batch_size": 64,
+                                    "old_logprobs": "recompute", "rollout_correction": "tis"},
+                             validation={"every": 0, "n_envs": 8, "baseline_envs": 0},
+                             checkpoint={"every": 0, "keep": 2, "resume": "never"})
+    run = ServeRun(config, tmp_path / "run.log", address)
+    try:
+        # An env-group actor killed while the Train job updates (the next iteration's rollout is then in flight);
+        # again if that rollout had already finished.
+        for _ in range(3):
+            wait_for(lambda: get_status(serve_url)["phase"] == "learning", 600, "an update", run)
+            it = get_status(serve_url)["iteration"]
+            os.kill(env_actor_pids()[0], signal.SIGKILL)
+            wait_for(lambda it=it: get_status(serve_url)["iteration"] >= it + 2, 600, "two more iterations", run)
+            if sum(r.get("faults/rerolled_groups", 0) + r.get("faults/dropped_groups", 0)
+                   for r in get_history(serve_url)):
+                break
+        kill_one("ray::ServeReplica:train:Policy")
+        it = get_status(serve_url)["iteration"]
+        wait_for(lambda: get_status(serve_url)["iteration"] >= it + 2, 600, "two more iterations", run)
+        assert httpx.post(f"{serve_url}/stop", timeout=10).json()["stopping"]
+        status = wait_for(lambda: (s := get_status(serve_url))["done"] and s, 600, "the run to stop", run)
+    finally:
+        run.stop()
+    assert status["phase"] == "stopped" and 4 <= status["iteration"] < 30, status
+    assert Path(status["last_checkpoint"]).name == f"iter_{status['iteration']:06d}"
+    log = run.log.read_text()
+    assert "draining 1 rollouts" in log, log[-3000:]
+    history = [json.loads(line) for line in (tmp_path / "runs" / "e2e-async" / "metrics.jsonl").read_text()
+               .splitlines() if line.strip()]
+    train = [r for r in history if r.get("phase") == "train"]
+    assert [r["iteration"] for r in train] == list(range(1, status["iteration"] + 1))
+    for r in train:
+        hist = r["train/staleness_hist"]
+        assert len(hist) == 2 and r["train/staleness_max"] <= 1, r
+        assert sum(hist) + r["train/too_stale_rows"] == r["data/rows"], r  # every row the trainer got is counted
+        assert r["data/incomplete_groups"] == 0 and r["data/groups"] == 4, r
+    assert sum(r["train/staleness_hist"][1] for r in train) > 0, "no row one version old: nothing overlapped"
+    assert max(r["perf/overlap_share"] for r in train[1:]) > 0.5, [r["perf/overlap_share"] for r in train]
+    assert sum(r["data/mixed_version_groups"] for r in train) > 0, "no update landed mid-episode"
+    assert sum(r["faults/rerolled_groups"] + r["faults/dropped_groups"] for r in train) > 0, \
+        "the killed actor's groups were neither redone nor counted"
+
+
 def test_a_full_checkpoint_disk_keeps_the_last_checkpoint_and_the_run_goes_on(tmp_path):
     """The run's checkpoint folder is a 256 MB tmpfs that fills up after the first checkpoint, inside a private
     mount namespace (CI runs as root: chmod cannot refuse a write). The run has its own Ray cluster in that
