@@ -67,6 +67,16 @@ def _setup_logging() -> None:
         logger.propagate = False
 
 
+def overlap_share(spans: list[list[float | None]], start: float, end: float) -> float:
+    """The share of [start, end] covered by the union of `spans` ([begin, end], end None while still running)."""
+    covered, reach = 0.0, start
+    for a, b in sorted((max(a, start), min(end if b is None else b, end)) for a, b in spans):
+        if b > max(a, reach):
+            covered += b - max(a, reach)
+            reach = b
+    return covered / max(end - start, 1e-9)
+
+
 @ray.remote(num_cpus=0, max_restarts=0)
 class Controller:
     def __init__(self, config: dict[str, Any], policy: Any, model_path: str, resume_from: str | None = None,
@@ -410,14 +420,10 @@ class Controller:
 
     def _overlap(self, start: float, end: float) -> float:
         """The share of [start, end] (an update) during which some rollout was running."""
-        spans = sorted((max(a, start), min(b if b is not None else end, end)) for a, b in self._rollout_spans)
-        covered, reach = 0.0, start
-        for a, b in spans:
-            if b > max(a, reach):
-                covered += b - max(a, reach)
-                reach = b
-        self._rollout_spans = [(a, b) for a, b in self._rollout_spans if b is None or b > end]
-        return covered / max(end - start, 1e-9)
+        share = overlap_share(self._rollout_spans, start, end)
+        # the same span objects stay: a running rollout sets its end in place
+        self._rollout_spans = [s for s in self._rollout_spans if s[1] is None or s[1] > end]
+        return share
 
     def _build_dataset(self, tables: list[Any]):
         """The iteration's Dataset from the env-group actors' blocks (`actors.batch`: advantages where the rows

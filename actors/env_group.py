@@ -11,9 +11,10 @@ block of the iteration's Ray Dataset.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -57,6 +58,25 @@ RECORD_SCHEMA = pa.schema([
 ])
 
 
+class EnvPool:
+    """Env instances reused across rollouts (some are costly to build), one episode at a time each: `take(n,
+    kwargs)` lends n envs that no other running rollout or evaluation holds (async mode runs several at once on one
+    actor), building more when none is free, and takes them back when the block ends."""
+
+    def __init__(self, build: Callable[[dict[str, Any]], Any]):
+        self._build = build
+        self._free: dict[str, list[Any]] = {}
+
+    @contextlib.contextmanager
+    def take(self, n: int, kwargs: dict[str, Any]) -> Iterator[list[Any]]:
+        free = self._free.setdefault(repr(sorted(kwargs.items())), [])
+        lent = [free.pop() if free else self._build(kwargs) for _ in range(n)]
+        try:
+            yield lent
+        finally:
+            free.extend(lent)
+
+
 @ray.remote(max_restarts=-1, max_task_retries=0)
 class EnvGroupActor:
     def __init__(self, env_name: str, env_kwargs: dict[str, Any], memory_name: str, memory_kwargs: dict[str, Any],
@@ -74,17 +94,11 @@ class EnvGroupActor:
         self.max_model_len = max_model_len
         self.policy_timeout_s = policy_timeout_s
         self.retriever = retriever  # the Retriever deployment's handle, for envs with `retriever: serve`
-        self._pools: dict[str, list[Any]] = {}  # env instances reused across rollouts (some are costly to build)
+        self._pool = EnvPool(lambda kwargs: attach_retriever(envs.make(self.env_name, **kwargs), kwargs,
+                                                             self.retriever))
 
     def ready(self) -> bool:
         return True
-
-    def _envs(self, n: int, kwargs: dict[str, Any]) -> list[Any]:
-        key = repr(sorted(kwargs.items()))
-        pool = self._pools.setdefault(key, [])
-        while len(pool) < n:
-            pool.append(attach_retriever(envs.make(self.env_name, **kwargs), kwargs, self.retriever))
-        return pool[:n]
 
     async def _send(self, prompts: list[list[int]], samplings: list[dict[str, Any]],
                     affinity: int | None = None) -> list[dict[str, Any]]:
@@ -109,15 +123,15 @@ class EnvGroupActor:
         else:
             coalescer = Coalescer(self._send, chunks)
             generate, busy = [coalescer.generate] * len(seeds), coalescer
-        games = self._envs(len(seeds), env_kwargs)
+        with self._pool.take(len(seeds), env_kwargs) as games:
 
-        def make(i: int):
-            decide = policy_decider(self.tokenizer, generate[i], sampling, max_model_len=self.max_model_len,
-                                    sampling_seed=sampling_seeds[i])
-            return (games[i], memory.make(self.memory_name, **self.memory_kwargs), decide, int(seeds[i]),
-                    int(sampling_seeds[i]))
+            def make(i: int):
+                decide = policy_decider(self.tokenizer, generate[i], sampling, max_model_len=self.max_model_len,
+                                        sampling_seed=sampling_seeds[i])
+                return (games[i], memory.make(self.memory_name, **self.memory_kwargs), decide, int(seeds[i]),
+                        int(sampling_seeds[i]))
 
-        episodes = await play_all(make, len(seeds))
+            episodes = await play_all(make, len(seeds))
         return episodes, busy.busy_seconds
 
     @ray.method(num_returns=2)
@@ -168,10 +182,11 @@ class EnvGroupActor:
         the held-out `env_kwargs`; one result per episode. Seed k of this slice is seed `seed_offset + k` of the whole
         evaluation, which fixes its sampling seeds."""
         coalescer = Coalescer(self._send, chunks=2)
-        games = self._envs(len(seeds) * samples, env_kwargs)
-        return await play_heldout(games.__getitem__, lambda: memory.make(self.memory_name, **self.memory_kwargs),
-                                  self.tokenizer, coalescer.generate, seeds, samples=samples, sampling=sampling,
-                                  max_model_len=self.max_model_len, run_seed=run_seed, seed_offset=seed_offset)
+        with self._pool.take(len(seeds) * samples, env_kwargs) as games:
+            return await play_heldout(games.__getitem__,
+                                      lambda: memory.make(self.memory_name, **self.memory_kwargs), self.tokenizer,
+                                      coalescer.generate, seeds, samples=samples, sampling=sampling,
+                                      max_model_len=self.max_model_len, run_seed=run_seed, seed_offset=seed_offset)
 
     @ray.method(num_returns=2)
     async def demonstrations(self, seeds: Sequence[int], expert_prob: float, rng_seed: int) -> tuple[pa.Table, dict]:
@@ -188,8 +203,8 @@ class EnvGroupActor:
     async def random_policy_success(self, seeds: Sequence[int], rng_seed: int, env_kwargs: dict[str, Any]) -> float:
         """Success rate of a uniformly random admissible action on these seeds: the floor RL must beat."""
         decide = random_decider(np.random.default_rng(rng_seed))
-        env = self._envs(1, env_kwargs)[0]
         wins = 0
-        for seed in seeds:
-            wins += (await play(env, memory.make("none"), decide, seed=int(seed))).won
+        with self._pool.take(1, env_kwargs) as (env,):
+            for seed in seeds:
+                wins += (await play(env, memory.make("none"), decide, seed=int(seed))).won
         return wins / max(1, len(seeds))

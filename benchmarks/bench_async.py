@@ -187,6 +187,8 @@ def main() -> None:
     parser.add_argument("--name", default="")
     parser.add_argument("--work", type=Path, default=None, help="keeps the warm start (reused) and the runs")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--modes", default=None, help="run only these (e.g. async-k1,async-k2) and keep the other "
+                                                      "modes' runs from the results file (same iterations)")
     args = parser.parse_args()
     work = (args.work or Path(tempfile.mkdtemp(prefix="raygent-bench-async-"))).resolve()
     work.mkdir(parents=True, exist_ok=True)
@@ -198,9 +200,20 @@ def main() -> None:
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {p: {m: [] for m in mode_overrides}
                                                         for p in args.placements.split(",")}
     out_path = RESULTS / f"bench_async{'_' + args.name if args.name else ''}.json"
+    todo = set(args.modes.split(",")) if args.modes else set(mode_overrides)
+    if args.modes:
+        previous = json.loads(out_path.read_text())
+        if previous["iterations"] != args.iterations or previous["seeds"] != seeds:
+            raise SystemExit(f"--modes: {out_path} was made with other iterations or seeds")
+        for placement, by_mode in runs.items():
+            for mode in by_mode:
+                if mode not in todo:
+                    by_mode[mode] = previous["runs"].get(placement, {}).get(mode, [])
     for placement in runs:
         for seed in seeds:
             for mode, extra in mode_overrides.items():
+                if mode not in todo:
+                    continue
                 run_overrides = {**overrides, **extra, "policy.model": str(start), "warm_start.enabled": False,
                                  "seed": seed, "iterations": args.iterations, "checkpoint.every": 0,
                                  "validation.every": max(1, args.iterations // 2),

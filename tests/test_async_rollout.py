@@ -9,6 +9,7 @@ import yaml
 from pydantic import ValidationError
 
 from actors.config import TrainConfig
+from actors.controller import overlap_share
 from actors.learner import fresh_rows
 from tests.conftest import REPO
 
@@ -75,3 +76,27 @@ def test_the_async_gpu_recipe_validates():
     cfg = TrainConfig.model_validate(spec["applications"][0]["args"])
     assert cfg.rollout.mode == "async" and cfg.rollout.lookahead == 1
     assert np.isclose(cfg.optim.rollout_is_cap, 2.0)
+
+
+def test_overlap_share_is_the_union_of_the_rollouts_within_the_update():
+    assert overlap_share([], 10.0, 20.0) == 0.0
+    assert overlap_share([[0.0, 9.0]], 10.0, 20.0) == 0.0  # ended before the update
+    assert overlap_share([[5.0, 15.0]], 10.0, 20.0) == pytest.approx(0.5)
+    assert overlap_share([[12.0, None]], 10.0, 20.0) == pytest.approx(0.8)  # still running
+    # two overlapping rollouts count once: [11, 17] of [10, 20]
+    assert overlap_share([[11.0, 16.0], [13.0, 17.0]], 10.0, 20.0) == pytest.approx(0.6)
+
+
+def test_concurrent_rollouts_on_one_actor_never_share_an_env():
+    """Async mode runs two rollouts (or a rollout and a validation) on one env-group actor at once: each must step
+    its own env instances, the pool reusing them only once handed back."""
+    from actors.env_group import EnvPool
+
+    built = []
+    pool = EnvPool(lambda kwargs: built.append(object()) or built[-1])
+    with pool.take(3, {"a": 1}) as first, pool.take(2, {"a": 1}) as second:
+        assert len({id(e) for e in first + second}) == 5 and len(built) == 5
+    with pool.take(4, {"a": 1}) as again:
+        assert len(built) == 5 and {id(e) for e in again} <= {id(e) for e in built}  # reused, none new
+    with pool.take(1, {"a": 2}) as other_kwargs:
+        assert len(built) == 6 and other_kwargs[0] is built[-1]  # kwargs of their own

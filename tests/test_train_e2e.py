@@ -1,7 +1,7 @@
 """End to end, as a user runs it: `serve run serve_configs/test_tiny.yaml` as a subprocess (on the session's Ray
 cluster), polled over HTTP until done; every replica on the new weight version; a checkpoint that the agent
-endpoint serves; an env-group actor killed mid-rollout without losing the run; and `resume: auto` continuing a
-stopped run at the next iteration. These run last (conftest): `serve run` shuts Serve down when it exits."""
+endpoint serves; an env-group actor killed mid-rollout without losing the run; `resume: auto` continuing a
+stopped run at the next iteration; and async rollout under its staleness bound. These run last (conftest): `serve run` shuts Serve down when it exits."""
 
 from __future__ import annotations
 
