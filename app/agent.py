@@ -233,6 +233,9 @@ def _errors(*codes: int) -> dict[int, dict[str, Any]]:
 
 BODY_ERRORS = _errors(400, 401, 404, 411, 413)  # routes with a JSON body
 GET_ERRORS = _errors(401)
+# `stream: true` answers server-sent events: the OpenAPI document declares both media types of the 200
+STREAMABLE = {**BODY_ERRORS, 200: {"description": "the reply: JSON, or server-sent events when `stream` is true",
+                                   "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
 
 
 class _AgentOpenAPI(FastAPI):
@@ -392,7 +395,7 @@ class AgentAPI:
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
                                             "owned_by": "raygent"}]}
 
-    @fastapi_app.post("/v1/chat/completions", responses=BODY_ERRORS)
+    @fastapi_app.post("/v1/chat/completions", responses=STREAMABLE)
     async def chat_completions(self, req: ChatCompletionRequest):
         self._check_model(req.model)
         sampling = self._sampling(req, req.max_completion_tokens or req.max_tokens)
@@ -415,7 +418,7 @@ class AgentAPI:
         return {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name,
                 "choices": choices, "usage": usage, "system_fingerprint": f"v{replies[0]['weight_version']}"}
 
-    @fastapi_app.post("/v1/completions", responses=BODY_ERRORS)
+    @fastapi_app.post("/v1/completions", responses=STREAMABLE)
     async def completions(self, req: CompletionRequest):
         self._check_model(req.model)
         sampling = self._sampling(req, req.max_tokens)
