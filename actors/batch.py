@@ -1,6 +1,8 @@
-"""The iteration's batch as a Ray Dataset: the env-group actors' blocks (never gathered on the controller),
-advantages computed where the rows are (each block holds whole groups), whole-batch statistics merged from the
-blocks where an estimator needs them, and one shard per training worker that keeps every row.
+"""The iteration's batch as a Ray Dataset, built as the rollout streams in: each group's block (never gathered on
+the controller) is prepared by a task of its own the moment it arrives (`prepare_block`: stale groups out in sync
+mode, the group's advantages, or a whole-batch estimator's first pass); when the last group is in, the prepared
+blocks become the Dataset (`build_batch`: whole-batch statistics merged from the blocks where an estimator needs
+them) and one shard per training worker that keeps every row.
 """
 
 from __future__ import annotations
@@ -71,19 +73,31 @@ def drop_stale_groups(batch: pa.Table, *, version: int) -> pa.Table:
     return batch.filter(pa.array(~np.isin(groups, stale))) if len(stale) else batch
 
 
-def build_batch(tables: list[Any], algo: AlgorithmConfig, version: int | None = None
-                ) -> ray.data.MaterializedDataset:
-    """The iteration's Dataset with an `advantage` column, from the actors' blocks (object refs of arrow tables);
-    with `version`, groups that hold rows of other weights are left out first."""
+def prepare_block(block: pa.Table, algo: AlgorithmConfig, version: int | None = None) -> pa.Table:
+    """Everything one block of whole groups needs before the batch exists: with `version` (sync mode), groups that
+    hold rows of other weights out; then each row's advantage, or for a whole-batch estimator its first pass."""
     kwargs = {"estimator": algo.estimator, "params": algo.params, "penalty": algo.invalid_action_penalty,
               "dynamic_sampling": algo.dynamic_sampling}
-    map_args = {"batch_size": None, "batch_format": "pyarrow", "zero_copy_batch": True, "num_cpus": _DATA_CPUS}
-    ds = ray.data.from_arrow_refs(tables)
     if version is not None:
-        ds = ds.map_batches(drop_stale_groups, fn_kwargs={"version": version}, **map_args)
+        block = drop_stale_groups(block, version=version)
+    return (add_batch_values if algo.estimator in WHOLE_BATCH else add_advantages)(block, **kwargs)
+
+
+_prepare_task = ray.remote(num_cpus=_DATA_CPUS)(prepare_block)
+
+
+def prepare_block_async(block: Any, algo: AlgorithmConfig, version: int | None = None) -> Any:
+    """`prepare_block` as a task where the block is (an object ref in, an object ref out)."""
+    return _prepare_task.remote(block, algo, version)
+
+
+def build_batch(prepared: list[Any], algo: AlgorithmConfig) -> ray.data.MaterializedDataset:
+    """The iteration's Dataset with an `advantage` column, from its prepared blocks (object refs of
+    `prepare_block`'s output); a whole-batch estimator's statistics are merged from the blocks here."""
+    map_args = {"batch_size": None, "batch_format": "pyarrow", "zero_copy_batch": True, "num_cpus": _DATA_CPUS}
+    ds = ray.data.from_arrow_refs(prepared)
     if algo.estimator not in WHOLE_BATCH:
-        return ds.map_batches(add_advantages, fn_kwargs=kwargs, **map_args).materialize()
-    ds = ds.map_batches(add_batch_values, fn_kwargs=kwargs, **map_args).materialize()
+        return ds.materialize()
     moments = Moments()
     for part in ds.map_batches(block_moments, **map_args).take_all():
         moments = moments.merge(Moments(part["count"], part["mean"], part["m2"]))

@@ -7,14 +7,18 @@ into a temporary folder and renamed into place: a checkpoint folder either exist
                               folder written once and never rotated
         checkpoints/iter_000010/
             model/            config.json, generation_config.json, tokenizer files, model.safetensors, and
-                              raygent_agent.json: the agent it is (env, memory, prompt, sampling; AgentCard)
+                              raygent_agent.json: the agent it is (env, memory, prompt, sampling; AgentCard).
+                              A LoRA run's adapter is merged in: the folder serves and evaluates as it is
+            adapter/          LoRA runs only: the adapter as peft saves it (adapter_config.json,
+                              adapter_model.safetensors) and the agent card; it applies to state.json's base_model
             train_state/      model and AdamW state as trained, one shard file per Train rank plus DCP's metadata
                               (torch.distributed.checkpoint: no rank gathers the optimizer; another world size
                               reshards on load)
-            state.json        layout version, iteration, weight version, seeds, the KL reference, config
+            state.json        layout version, iteration, weight version, seeds, the KL reference, base model, config
 
 Layout versions: 1 (no `reference_model` in state.json: the reference was whatever model the run loaded), 2 (a full
-`optimizer.pt` written by rank 0 in place of `train_state/`), 3. All three resume.
+`optimizer.pt` written by rank 0 in place of `train_state/`), 3 (sharded `train_state/`), 4 (`adapter/` and
+`base_model` for LoRA runs). All four resume.
 """
 
 from __future__ import annotations
@@ -34,8 +38,9 @@ import numpy as np
 if TYPE_CHECKING:
     import torch
 
-LAYOUT_VERSION = 3
+LAYOUT_VERSION = 4
 TRAIN_STATE = "train_state"
+ADAPTER = "adapter"
 CARD_FILE = "raygent_agent.json"
 _NAME = re.compile(r"^iter_(\d{6})$")
 logger = logging.getLogger("raygent")
@@ -74,17 +79,32 @@ def read_agent_card(folder: str | Path) -> Any:
 
 
 def load_model_weights(model_dir: str | Path) -> dict[str, torch.Tensor]:
-    """A checkpoint's weights as the trainer hands them to the replicas: every parameter, a tied head included
+    """An HF folder's weights (a checkpoint's model/, one file or sharded) as the trainer hands them to the
+    replicas: every parameter, a tied head included
     (the file stores it once, as HF does; an engine reloading weights in place must get it again, or it keeps the
     head it had)."""
     from safetensors.torch import load_file
 
     model_dir = Path(model_dir)
-    weights = load_file(str(model_dir / "model.safetensors"))
+    index = model_dir / "model.safetensors.index.json"  # a large HF folder is sharded
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() \
+        else ["model.safetensors"]
+    weights = {name: t for f in files for name, t in load_file(str(model_dir / f)).items()}
     config = json.loads((model_dir / "config.json").read_text())
     if config.get("tie_word_embeddings") and "lm_head.weight" not in weights:
         weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
     return weights
+
+
+def base_model_weights(model: str) -> dict[str, torch.Tensor]:
+    """The weights of the model a run starts from: a local HF folder as `load_model_weights` reads it, or a hub id
+    through transformers (its cache), with the head a tied model shares."""
+    if Path(model).is_dir():
+        return load_model_weights(model)
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return dict(AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).state_dict())
 
 
 def save_model(weights: Mapping[str, torch.Tensor | np.ndarray], template_dir: Path, out_dir: Path,
@@ -113,12 +133,15 @@ def save_model(weights: Mapping[str, torch.Tensor | np.ndarray], template_dir: P
 async def save_checkpoint(run_dir: Path, iteration: int, weights: Mapping[str, Any], template_dir: Path,
                           state: dict[str, Any], keep: int,
                           save_train_state: Callable[[str], Awaitable[None]] | None = None, card: Any = None,
-                          pinned: set[Path] | frozenset[Path] = frozenset()) -> Path:
+                          pinned: set[Path] | frozenset[Path] = frozenset(), adapter: Mapping[str, Any] | None = None,
+                          lora: Any = None) -> Path:
     """Write checkpoint `iter_{iteration}` atomically; keep the newest `keep` and every `pinned` one (the checkpoint
     this run resumed from: its replicas and actors load their starting model from it, so it must outlive
-    rotation). `save_train_state(path)` asks the training job to write its sharded state into that folder of the
-    temporary checkpoint before the rename. Re-checkpointing an iteration swaps the folders: there is never a
-    moment without a complete checkpoint of it on disk. A refused write (full or read-only disk) is an OSError."""
+    rotation). `weights` are the full model's (a LoRA run's merged ones); `adapter` (with its `lora` config) is
+    written beside them. `save_train_state(path)` asks the training job to write its sharded state into that
+    folder of the temporary checkpoint before the rename. Re-checkpointing an iteration swaps the folders: there is
+    never a moment without a complete checkpoint of it on disk. A refused write (full or read-only disk) is an
+    OSError."""
     root = run_dir / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"iter_{iteration:06d}"
@@ -129,6 +152,8 @@ async def save_checkpoint(run_dir: Path, iteration: int, weights: Mapping[str, A
         state["reference_model"] = _relative_to(state["reference_model"], run_dir)
     try:
         save_model(weights, template_dir, tmp / "model", card)
+        if adapter is not None:
+            save_adapter(adapter, lora, tmp / ADAPTER, state.get("base_model"), card)
         if save_train_state is not None:
             await save_train_state(str(tmp / TRAIN_STATE))
         (tmp / "state.json").write_text(json.dumps(state, indent=2, default=str))
@@ -146,6 +171,27 @@ async def save_checkpoint(run_dir: Path, iteration: int, weights: Mapping[str, A
         if old.resolve() not in keep_paths:
             shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def save_adapter(tensors: Mapping[str, Any], lora: Any, out_dir: Path, base_model: str | None = None,
+                 card: Any = None) -> None:
+    """A LoRA adapter folder (peft's format, `actors.lora.write_adapter`) with the agent card."""
+    from safetensors import SafetensorError
+
+    from actors.lora import write_adapter
+
+    try:
+        write_adapter(out_dir, tensors, lora, base_model)
+    except SafetensorError as e:  # as in save_model: a full disk is a refused write
+        raise OSError(f"writing {out_dir}: {e}") from e
+    if card is not None:
+        write_agent_card(out_dir, card)
+
+
+def adapter_of(checkpoint: Path) -> Path | None:
+    """A LoRA run's checkpoint's adapter folder (None for a full fine-tuning checkpoint)."""
+    folder = Path(checkpoint) / ADAPTER
+    return folder if (folder / "adapter_config.json").is_file() else None
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:

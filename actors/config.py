@@ -39,6 +39,22 @@ class SamplingConfig(BaseModel):
     seed: int | None = None
 
 
+class LoraConfig(_Section):
+    """A LoRA adapter (peft) trained in place of the full weights; only the adapter travels to the replicas."""
+
+    rank: int = Field(8, ge=1, le=512)
+    alpha: float = Field(16.0, gt=0, description="the update is scaled by alpha / rank (peft, vLLM)")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        min_length=1, description="linear layers of the decoder to adapt, by name (checked against the model "
+                                  "before any actor starts)")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
 class PolicyConfig(_Section):
     """What one policy replica loads and how it batches. Sizes are per replica."""
 
@@ -61,6 +77,11 @@ class PolicyConfig(_Section):
     sync_from: str | None = Field(None, description="a training run's controller (its actor name, namespace "
                                                     "raygent): a (re)starting replica loads the run's latest "
                                                     "weights from it before it serves (set by the training app)")
+    lora: LoraConfig | None = Field(None, description="train a LoRA adapter instead of the full weights: the "
+                                                      "replicas serve `model` plus the latest adapter, and updates "
+                                                      "send only the adapter (README, LoRA)")
+    adapter: str | None = Field(None, description="serve `model` plus this adapter folder (a checkpoint's "
+                                                  "adapter/, or any peft LoRA folder)")
 
 
 class RetrieverConfig(_Section):
@@ -364,6 +385,15 @@ class TrainConfig(_Section):
                              "optim.old_logprobs 'recompute' (got "
                              f"{self.optim.old_logprobs!r}) and optim.rollout_correction 'tis' or 'mask' (got "
                              f"{self.optim.rollout_correction!r}): decoupled PPO (README, Async rollout)")
+        return self
+
+    @model_validator(mode="after")
+    def _trains_its_own_adapter(self) -> TrainConfig:
+        # A served adapter in a training run would make the replicas sample from a policy the Train job is not
+        # training; a LoRA run's adapter is `policy.lora`, and it resumes from its checkpoints.
+        if self.policy.adapter is not None:
+            raise ValueError("policy.adapter is for serving (the agent endpoint); a training run trains its own "
+                             "adapter with policy.lora and resumes it from its checkpoints")
         return self
 
     @model_validator(mode="after")

@@ -2,8 +2,9 @@
 policy replica, schedules validation and checkpoints, and answers status queries while it works.
 
 One iteration, as a loop you can read top to bottom (`_iteration`):
-  rollout (env-group actors x policy replicas) -> Ray Dataset of step records -> advantages per group
-  -> the long-lived Train job (one shard per worker) -> new weights -> broadcast -> log.
+  rollout (env-group actors x policy replicas; each group's block streams in and gets its advantages as it
+  arrives) -> Ray Dataset of step records -> the long-lived Train job (one shard per worker) -> new weights
+  -> broadcast -> log.
 In async mode (`rollout.mode: async`) the same loop starts each rollout `max_staleness` iterations before its
 update (`_train`), so the env-group actors keep producing while the Train job updates.
 """
@@ -22,8 +23,10 @@ import numpy as np
 import ray
 
 import envs
-from actors.batch import build_batch, split_for_workers
+from actors.batch import build_batch, prepare_block_async, split_for_workers
 from actors.checkpoint import (
+    adapter_of,
+    base_model_weights,
     latest_checkpoint,
     load_model_weights,
     load_state,
@@ -34,8 +37,9 @@ from actors.checkpoint import (
     write_model_template,
 )
 from actors.demonstrations import demo_players
-from actors.env_group import EnvGroupActor
+from actors.env_group import EnvGroupActor, read_rollout
 from actors.evaluation import summarize
+from actors.lora import merge, read_adapter
 from actors.metrics import MetricsSink, quiet_frameworks
 from actors.trainer import TrainerFailure, TrainerGroup
 from actors.weights import Weights, pack_weights
@@ -100,6 +104,7 @@ class Controller:
         self.error: str | None = None
         self.last_metrics: dict[str, Any] = {}
         self.latest_weights: Weights | None = None
+        self._base_weights: dict[str, Any] | None = None  # a LoRA run's base model, for merged checkpoints
         self.last_checkpoint: str | None = None
         self.warm_start_done = False
         self._stop = False
@@ -221,8 +226,7 @@ class Controller:
         self.pad_id = pad_id
         # The Train job starts from the checkpoint it resumes (the replicas' start model may be an older one: a
         # controller started again by the health check resumes from the latest checkpoint).
-        train_model = str(self.resume_from / "model") if self.resume_from else self.model_path
-        self.trainer = self._make_trainer(train_model, self.resume_from)
+        self.trainer = self._make_trainer(self._train_model(self.resume_from), self.resume_from)
         await asyncio.to_thread(self.trainer.start)
         # The replicas start from `model_path` under the version it was saved with (the training app passes the
         # resumed weight version as policy.initial_version); replicas that outlived an earlier controller of
@@ -230,6 +234,13 @@ class Controller:
         self._checkpointed_version = self.version
         if self.resume_from is not None:
             await self._restore_replicas(self.resume_from)
+
+    def _train_model(self, checkpoint: Path | None) -> str:
+        """The HF folder a Train job starts from: the checkpoint's model, or the starting one. A LoRA run's job
+        always builds on the base model; its adapter (and the base) come back from the checkpoint's train_state."""
+        if checkpoint is None or self.cfg.policy.lora is not None:
+            return self.model_path
+        return str(checkpoint / "model")
 
     def _make_trainer(self, model_path: str, checkpoint: Path | None) -> TrainerGroup:
         cfg = self.cfg
@@ -239,6 +250,7 @@ class Controller:
             "mixed_precision": cfg.trainer.mixed_precision, "weights_dtype": cfg.policy.dtype,
             "weights_bucket_bytes": cfg.weight_sync.bucket_bytes,
             "activation_checkpointing": cfg.trainer.activation_checkpointing,
+            "lora": cfg.policy.lora.model_dump() if cfg.policy.lora else None,
             "framework_log_level": cfg.logging.framework_level,
             **train_state_of(checkpoint),
         })
@@ -258,12 +270,10 @@ class Controller:
         if checkpoint is not None:
             state = load_state(checkpoint)
             self.iteration, self.warm_start_done = state["iteration"], state.get("warm_start_done", False)
-            model = str(checkpoint / "model")
         else:  # nothing checkpointed yet: from the start (the warm start, if any, runs again)
             self.iteration, self.warm_start_done = 0, False
-            model = self.model_path
         self.sink.truncate(self.iteration)
-        self.trainer = self._make_trainer(model, checkpoint)
+        self.trainer = self._make_trainer(self._train_model(checkpoint), checkpoint)
         await asyncio.to_thread(self.trainer.start)
         if checkpoint is not None:  # the lost job owned the latest weights: the checkpoint's, owned here
             await self._restore_replicas(checkpoint, always=True)
@@ -283,9 +293,23 @@ class Controller:
         self._checkpointed_version = self.version
 
     def _pack_checkpoint(self, checkpoint: Path) -> Weights:
-        """A checkpoint's weights, held by this controller, packed as the Train job packs its own."""
+        """A checkpoint's weights (a LoRA run's: its adapter), held by this controller, packed as the Train job
+        packs its own."""
+        adapter = adapter_of(checkpoint)
+        if self.cfg.policy.lora is not None and adapter is not None:
+            return pack_weights(read_adapter(adapter)[0].items(), self.cfg.policy.dtype,
+                                self.cfg.weight_sync.bucket_bytes, kind="adapter")
         return pack_weights(load_model_weights(checkpoint / "model").items(), self.cfg.policy.dtype,
                             self.cfg.weight_sync.bucket_bytes)
+
+    def _full_weights(self, weights: Weights, tensors: dict[str, Any]) -> dict[str, Any]:
+        """The whole model's weights of `weights` (whose `tensors` are given): as they are, or a LoRA adapter merged
+        into the base model (read once, kept for the next checkpoint)."""
+        if weights.kind != "adapter":
+            return tensors
+        if self._base_weights is None:
+            self._base_weights = base_model_weights(self.model_path)
+        return merge(self._base_weights, tensors, self.cfg.policy.lora.scale)
 
     def latest_weights_for_replica(self) -> dict[str, Any] | None:
         """What a (re)starting policy replica loads before it serves: the latest weights and their version."""
@@ -385,15 +409,15 @@ class Controller:
         cfg = self.cfg
         t_start = time.perf_counter()
         self.phase = "rollout"
-        tables, roll, (roll_start, roll_end) = await rollout
+        prepared, roll, (roll_start, roll_end) = await rollout
         t_rollout = time.perf_counter()
         self.phase = "learning"
         record: dict[str, Any] = {"iteration": it + 1, "phase": "train", **self._rollout_metrics(roll, "train")}
-        if not tables:
+        if not prepared:
             logger.error("iteration %d: every env-group actor failed; nothing to train on", it)
             return record
         # Ray Data calls block on tasks (block metadata, materialize, split): off the event loop, so /status answers.
-        ds, summary, shards = await asyncio.to_thread(self._build_dataset, tables)
+        ds, summary, shards = await asyncio.to_thread(self._build_dataset, prepared)
         if ds is None:
             logger.warning("iteration %d: %d rows after filtering; skipping the update", it, len(summary))
             return record
@@ -425,11 +449,10 @@ class Controller:
         self._rollout_spans = [s for s in self._rollout_spans if s[1] is None or s[1] > end]
         return share
 
-    def _build_dataset(self, tables: list[Any]):
-        """The iteration's Dataset from the env-group actors' blocks (`actors.batch`: advantages where the rows
-        are, whole-batch statistics merged from the blocks), then one shard per training worker, no row dropped."""
-        sync = self.cfg.rollout.mode == "sync"  # async: a group's rows may span versions; the trainer checks each
-        ds = build_batch(tables, self.cfg.algorithm, self.version if sync else None)
+    def _build_dataset(self, prepared: list[Any]):
+        """The iteration's Dataset from its prepared group blocks (`actors.batch`: whole-batch statistics merged
+        from the blocks), then one shard per training worker, no row dropped."""
+        ds = build_batch(prepared, self.cfg.algorithm)
         summary = ds.select_columns(["group_id", "traj_id", "anchor", "advantage", "weight_version"]).to_pandas()
         if len(summary) == 0:
             return None, summary, None
@@ -448,10 +471,13 @@ class Controller:
         r = self.cfg.rollout
         return {"temperature": temperature, "top_p": r.top_p, "max_tokens": r.max_tokens}
 
-    async def _on_actors(self, n: int, call: Any, what: str) -> tuple[list[Any], list[int]]:
+    async def _on_actors(self, n: int, call: Any, what: str,
+                         pending: Any = None) -> tuple[list[Any], list[int]]:
         """Spread items 0..n-1 over the env-group actors: `call(actor, part)` for each slice. A failed actor's slice
         is redone once on the restarted actor, then dropped and counted: the run goes on with what the others
-        produced. Returns the results of the slices that finished and (redone, dropped) item counts."""
+        produced. `pending(part)`: the items of a slice still to do (a streamed rollout keeps the groups a failed
+        actor finished, and its `call` plays only the rest). Returns the results of the calls that finished and
+        (redone, dropped) item counts."""
         slices = [s for s in np.array_split(np.arange(n), len(self.env_actors)) if len(s)]
         faults = [0, 0]
 
@@ -460,9 +486,10 @@ class Controller:
                 try:
                     return await call(self.env_actors[k], part)
                 except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
-                    logger.warning("env-group actor %d failed (%s); %s its %d %s", k, type(e).__name__,
-                                   "redoing" if attempt == 0 else "dropping", len(part), what)
-                    faults[0 if attempt == 0 else 1] += len(part)
+                    lost = len(part if pending is None else pending(part))
+                    logger.warning("env-group actor %d failed (%s); %s %d of its %d %s", k, type(e).__name__,
+                                   "redoing" if attempt == 0 else "dropping", lost, len(part), what)
+                    faults[0 if attempt == 0 else 1] += lost
                     if isinstance(e, ray.exceptions.RayActorError):
                         await self._revive_env_actor(k)
             return None
@@ -471,29 +498,43 @@ class Controller:
         return [d for d in done if d is not None], faults
 
     async def _rollout(self, it: int) -> tuple[list[Any], list[dict[str, Any]], tuple[float, float]]:
-        """Iteration `it`'s groups, spread over the env-group actors: their record blocks (object refs, never
-        fetched here), rollout metrics, and when it ran."""
+        """Iteration `it`'s groups, spread over the env-group actors. Each group's block streams back as the group
+        finishes and is prepared for the trainer at once (`actors.batch.prepare_block`: its advantages) while the
+        other groups still play. Returns the prepared blocks (object refs, never fetched here), the rollout's
+        metrics (one record per group and per actor), and when it ran."""
         cfg = self.cfg
         seeds = envs.group_seeds(cfg.seed, it, cfg.rollout.n_groups, "train")
-        # In sync mode every row must come from the weights of this moment (a replica on others is counted);
-        # in async mode versions move during the rollout and the trainer checks each row's.
+        # In sync mode every row must come from the weights of this moment (a replica on others is counted, and
+        # its groups left out); in async mode versions move during the rollout and the trainer checks each row's.
         expected = self.version if cfg.rollout.mode == "sync" else None
         span = [time.perf_counter(), None]
         self._rollout_spans.append(span)
+        prepared: dict[int, Any] = {}
+        parts: list[dict[str, Any]] = []
+
+        def on_group(head: dict[str, Any], block: Any) -> None:
+            prepared[head["group"]] = prepare_block_async(block, cfg.algorithm, expected)
+            parts.append(head)
+
+        def pending(part: np.ndarray) -> np.ndarray:
+            return np.array([g for g in part if g not in prepared], dtype=np.int64)
 
         async def call(actor: Any, part: np.ndarray):
-            table_ref, metrics_ref = actor.rollout.remote(
-                seeds[part].tolist(), cfg.rollout.group_size, int(part[0]), self._sampling(cfg.rollout.temperature),
+            todo = pending(part)  # a redo plays only the groups the failed actor had not finished
+            if not len(todo):
+                return
+            stream = actor.rollout.remote(
+                seeds[todo].tolist(), todo.tolist(), cfg.rollout.group_size, self._sampling(cfg.rollout.temperature),
                 cfg.rollout.requests_per_step, cfg.seed, it, expected, cfg.rollout.route_by_group)
-            return table_ref, await metrics_ref
+            parts.append(await read_rollout(stream, on_group))
 
         try:
-            ok, faults = await self._on_actors(len(seeds), call, "groups")
+            _, faults = await self._on_actors(len(seeds), call, "groups", pending)
         finally:
             span[1] = time.perf_counter()
-        metrics = [m for _, m in ok] or [{"episodes": 0}]
-        metrics[0]["rerolled_groups"], metrics[0]["dropped_groups"] = faults
-        return [t for t, _ in ok], metrics, (span[0], span[1])
+        # the rollout's own span times it (an actor that failed sent no closing record with its seconds)
+        parts.append({"rerolled_groups": faults[0], "dropped_groups": faults[1], "seconds": span[1] - span[0]})
+        return [prepared[g] for g in sorted(prepared)], parts, (span[0], span[1])
 
     async def _revive_env_actor(self, k: int) -> None:
         """Wait for Ray to restart the actor (max_restarts=-1); replace it if it cannot come back. One revival per
@@ -601,10 +642,14 @@ class Controller:
 
     async def _write_checkpoint(self) -> Path:
         self.phase = "checkpointing"
-        weights = await asyncio.to_thread(self.latest_weights.state_dict)
+        lora = self.cfg.policy.lora
+        tensors = await asyncio.to_thread(self.latest_weights.state_dict)
+        weights = await asyncio.to_thread(self._full_weights, self.latest_weights, tensors)
+        adapter = tensors if lora is not None else None
         state = {"iteration": self.iteration, "weight_version": self.version, "seed": self.cfg.seed,
                  "warm_start_done": self.warm_start_done, "run_name": self.cfg.run_name, "time": time.time(),
-                 "reference_model": self.reference_model, "config": self.config_dict}
+                 "reference_model": self.reference_model, "config": self.config_dict,
+                 **({"base_model": self.model_path} if lora is not None else {})}
 
         async def save_train_state(path: str) -> None:
             results = await self.trainer.run({"kind": "save_train_state", "path": path})
@@ -614,7 +659,7 @@ class Controller:
         card = self.cfg.agent_card(iteration=self.iteration, weight_version=self.version,
                                    warm_start_done=self.warm_start_done, base_model=self.cfg.policy.model)
         path = await save_checkpoint(self.run_dir, self.iteration, weights, self.template, state,
-                                     self.cfg.checkpoint.keep, save_train_state, card, self._pinned())
+                                     self.cfg.checkpoint.keep, save_train_state, card, self._pinned(), adapter, lora)
         self.last_checkpoint = str(path)
         self._checkpointed_version = self.version
         return path
@@ -664,12 +709,14 @@ class Controller:
         if self._stop:  # stopped during the warm start: the run's end checkpoints it; a resume warm-starts again
             return
         await self.trainer.run({"kind": "reset_optimizer"})
-        # RL starts from here: this policy is the KL reference from now on, kept outside the rotating checkpoints.
-        card = self.cfg.agent_card(iteration=0, weight_version=self.version, warm_start_done=True,
-                                   base_model=self.cfg.policy.model)
-        weights = await asyncio.to_thread(self.latest_weights.state_dict)
-        self.reference_model = str(save_reference(self.run_dir, weights, self.template, card))
-        await self.trainer.run({"kind": "set_reference"})
+        # RL starts from here: this policy is the KL reference from now on, kept outside the rotating checkpoints
+        # (with LoRA the reference stays the base model: the policy with its adapter off).
+        if self.cfg.policy.lora is None:
+            card = self.cfg.agent_card(iteration=0, weight_version=self.version, warm_start_done=True,
+                                       base_model=self.cfg.policy.model)
+            weights = await asyncio.to_thread(self.latest_weights.state_dict)
+            self.reference_model = str(save_reference(self.run_dir, weights, self.template, card))
+            await self.trainer.run({"kind": "set_reference"})
         self.warm_start_done = True
         await self._checkpoint()
         self.phase = "training"

@@ -4,8 +4,9 @@ step record per (env, step).
 
 Every env is its own coroutine: it sends its next prompt as soon as its own reply has come back and its own step is
 done. The prompts waiting at one moment go to the policy together (`Coalescer`), split over a few concurrent
-requests so the replicas share the work. The records of one rollout come back as one pyarrow block, which becomes a
-block of the iteration's Ray Dataset.
+requests so the replicas share the work. A rollout streams (a Ray generator): each group's records leave as one
+pyarrow block the moment the group's last episode ends, so the controller prepares them for the trainer while the
+other groups still play, and an actor that dies mid-rollout has lost only the groups it had not finished.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -77,6 +78,45 @@ class EnvPool:
             free.extend(lent)
 
 
+def records_table(episodes: Sequence[Episode], group_id: int, group_size: int) -> pa.Table:
+    """One group's step records (its episodes in member order) as a block of the iteration's Dataset."""
+    rows: dict[str, list] = {name: [] for name in RECORD_SCHEMA.names}
+    for member, episode in enumerate(episodes):
+        for s in episode.steps:
+            rows["prompt_ids"].append(s.prompt_ids)
+            rows["response_ids"].append(s.response_ids)
+            rows["rollout_logprobs"].append(s.logprobs)
+            rows["reward"].append(s.reward)
+            rows["valid"].append(s.valid)
+            rows["anchor"].append(s.anchor)
+            rows["action"].append(s.action)
+            rows["group_id"].append(group_id)
+            rows["traj_id"].append(group_id * group_size + member)
+            rows["step"].append(s.step)
+            rows["weight_version"].append(s.weight_version)
+            rows["env_seed"].append(episode.seed)
+            rows["sampling_seed"].append(episode.sampling_seed)
+    return pa.table(rows, schema=RECORD_SCHEMA)
+
+
+async def read_rollout(stream: Any, on_group: Callable[[dict[str, Any], Any], None]) -> dict[str, Any]:
+    """Read an `EnvGroupActor.rollout` stream of (block, header) pairs: `on_group(header, block_ref)` for each
+    group the moment its header arrives (the rows stay in the object store; the caller owns the ref, so a block
+    outlives the actor that made it); returns the rollout's closing record (the pair without a block). A block
+    is stored before its header is sent, so a header that arrived names a block that exists. If the actor dies,
+    its error is raised here after the groups it finished."""
+    async for block in stream:
+        head_ref = await anext(stream, None)
+        if head_ref is None:  # the stream ended where a header was due: the item it ended on holds the error
+            await block
+            raise ray.exceptions.RayActorError(error_msg="the rollout stream ended without its closing record")
+        head = await head_ref
+        if "group" not in head:
+            return head
+        on_group(head, block)
+    raise ray.exceptions.RayActorError(error_msg="the rollout stream ended without its closing record")
+
+
 @ray.remote(max_restarts=-1, max_task_retries=0)
 class EnvGroupActor:
     def __init__(self, env_name: str, env_kwargs: dict[str, Any], memory_name: str, memory_kwargs: dict[str, Any],
@@ -115,8 +155,8 @@ class EnvGroupActor:
         raise AssertionError("unreachable")
 
     async def _play(self, seeds: Sequence[int], sampling_seeds: Sequence[int], groups: Sequence[int],
-                    sampling: dict[str, Any], env_kwargs: dict[str, Any], chunks: int,
-                    route_by_group: bool) -> tuple[list[Episode], float]:
+                    sampling: dict[str, Any], env_kwargs: dict[str, Any], chunks: int, route_by_group: bool,
+                    on_episode: Callable[[int, Episode], None] | None = None) -> tuple[list[Episode], float]:
         if route_by_group:
             lanes = Lanes(self._send, chunks)
             generate, busy = [lanes.for_group(g) for g in groups], lanes
@@ -131,50 +171,60 @@ class EnvGroupActor:
                 return (games[i], memory.make(self.memory_name, **self.memory_kwargs), decide, int(seeds[i]),
                         int(sampling_seeds[i]))
 
-            episodes = await play_all(make, len(seeds))
+            episodes = await play_all(make, len(seeds), on_episode=on_episode)
         return episodes, busy.busy_seconds
 
-    @ray.method(num_returns=2)
-    async def rollout(self, seeds: Sequence[int], group_size: int, group_offset: int, sampling: dict[str, Any],
-                      requests_per_step: int = 2, run_seed: int = 0, round_index: int = 0,
-                      expected_version: int | None = None, route_by_group: bool = False
-                      ) -> tuple[pa.Table, dict[str, Any]]:
-        """One episode per env of `len(seeds)` groups x `group_size` with the policy (env i of group g starts from
-        seeds[g]). Group ids start at `group_offset`; trajectory id = group_id * group_size + member; each episode's
-        sampling seed comes from (run_seed, round_index, group id, member). `route_by_group`: each group's requests
-        keep to one replica (`Lanes`). Returns the step records and metrics."""
+    @ray.method(num_returns="streaming")
+    async def rollout(self, seeds: Sequence[int], group_ids: Sequence[int], group_size: int,
+                      sampling: dict[str, Any], requests_per_step: int = 2, run_seed: int = 0, round_index: int = 0,
+                      expected_version: int | None = None, route_by_group: bool = False) -> AsyncIterator[Any]:
+        """One episode per env of `len(seeds)` groups x `group_size` with the policy: group `group_ids[k]` starts
+        every env from `seeds[k]`; trajectory id = group id * group_size + member; each episode's sampling seed
+        comes from (run_seed, round_index, group id, member), so a group redone elsewhere plays the same draws.
+        `route_by_group`: each group's requests keep to one replica (`Lanes`).
+
+        Streams, in the order groups finish, one pair per group: its block (the step records of its episodes,
+        RECORD_SCHEMA), then its header (`{"group": id}` with the group's `episode_metrics` and its stale rows);
+        last the pair (None, the rollout's own timing). `read_rollout` reads the stream."""
         started = time.perf_counter()
-        groups = [group_offset + g for g in range(len(seeds)) for _ in range(group_size)]
-        members = [m for _ in range(len(seeds)) for m in range(group_size)]
+        groups = [int(g) for g in group_ids for _ in range(group_size)]
+        members = [m for _ in group_ids for m in range(group_size)]
         env_seeds = [int(s) for s in seeds for _ in range(group_size)]
         sampling_seeds = [episode_sampling_seed(run_seed, round_index, g, m) for g, m in zip(groups, members,
                                                                                           strict=True)]
-        episodes, generate_seconds = await self._play(env_seeds, sampling_seeds, groups, sampling, self.env_kwargs,
-                                                      requests_per_step, route_by_group)
-        rows: dict[str, list] = {name: [] for name in RECORD_SCHEMA.names}
-        for episode, group, member in zip(episodes, groups, members, strict=True):
-            for s in episode.steps:
-                rows["prompt_ids"].append(s.prompt_ids)
-                rows["response_ids"].append(s.response_ids)
-                rows["rollout_logprobs"].append(s.logprobs)
-                rows["reward"].append(s.reward)
-                rows["valid"].append(s.valid)
-                rows["anchor"].append(s.anchor)
-                rows["action"].append(s.action)
-                rows["group_id"].append(group)
-                rows["traj_id"].append(group * group_size + member)
-                rows["step"].append(s.step)
-                rows["weight_version"].append(s.weight_version)
-                rows["env_seed"].append(episode.seed)
-                rows["sampling_seed"].append(episode.sampling_seed)
+        ended: dict[int, Episode] = {}
+        finished: asyncio.Queue[int] = asyncio.Queue()
+
+        def on_episode(i: int, episode: Episode) -> None:
+            ended[i] = episode
+            first = i - i % group_size
+            if all(j in ended for j in range(first, first + group_size)):
+                finished.put_nowait(first // group_size)
+
+        playing = asyncio.ensure_future(self._play(env_seeds, sampling_seeds, groups, sampling, self.env_kwargs,
+                                                   requests_per_step, route_by_group, on_episode))
+        for _ in range(len(group_ids)):
+            next_group = asyncio.ensure_future(finished.get())
+            await asyncio.wait([next_group, playing], return_when=asyncio.FIRST_COMPLETED)
+            if next_group.done():
+                k = next_group.result()
+            else:
+                next_group.cancel()
+                await playing  # the episodes failed (the policy call's retry too): the error goes up from here
+                k = finished.get_nowait()  # or they all ended: every group left is queued
+            episodes = [ended[i] for i in range(k * group_size, (k + 1) * group_size)]
+            block = records_table(episodes, int(group_ids[k]), group_size)
+            # a replica that restarted and could not sync answers with other weights: counted here, dropped later
+            stale = 0 if expected_version is None else int((block["weight_version"].to_numpy()
+                                                            != expected_version).sum())
+            yield block
+            yield {"group": int(group_ids[k]), **episode_metrics(episodes), "stale_rows": stale}
+        episodes, generate_seconds = await playing
         errors = [s.env_error for e in episodes for s in e.steps if s.env_error]
         if errors:
             logger.warning("%d env errors in this rollout, e.g. %s", len(errors), errors[0])
-        # a replica that restarted and could not sync answers with other weights: counted here, dropped later
-        stale = 0 if expected_version is None else sum(v != expected_version for v in rows["weight_version"])
-        metrics = {**episode_metrics(episodes), "generate_seconds": generate_seconds, "stale_rows": stale,
-                   "seconds": time.perf_counter() - started}
-        return pa.table(rows, schema=RECORD_SCHEMA), metrics
+        yield None
+        yield {"generate_seconds": generate_seconds, "seconds": time.perf_counter() - started}
 
     async def evaluate(self, seeds: Sequence[int], samples: int, sampling: dict[str, Any], env_kwargs: dict[str, Any],
                        run_seed: int = 0, seed_offset: int = 0) -> list[dict[str, Any]]:

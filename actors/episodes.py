@@ -157,9 +157,10 @@ async def play(env: Any, memory: Any, decide: Decide, *, seed: int, max_steps: i
 
 async def play_all(make: Callable[[int], tuple[Any, Any, Decide, int, int | None]], n: int,
                    max_concurrent: int | None = None, max_steps: int | None = None,
-                   on_episode: Callable[[Episode], None] | None = None) -> list[Episode]:
+                   on_episode: Callable[[int, Episode], None] | None = None) -> list[Episode]:
     """`n` episodes, one coroutine each (at most `max_concurrent` at a time); `make(i)` gives episode i's
-    (env, memory, decide, seed, sampling seed); `on_episode` hears of each as it ends (a progress bar)."""
+    (env, memory, decide, seed, sampling seed); `on_episode(i, episode)` hears of each as it ends (a progress
+    bar, a group that is complete)."""
     limit = asyncio.Semaphore(max_concurrent or n or 1)
 
     async def one(i: int) -> Episode:
@@ -167,7 +168,7 @@ async def play_all(make: Callable[[int], tuple[Any, Any, Decide, int, int | None
             env, memory, decide, seed, sampling_seed = make(i)
             episode = await play(env, memory, decide, seed=seed, max_steps=max_steps, sampling_seed=sampling_seed)
         if on_episode is not None:
-            on_episode(episode)
+            on_episode(i, episode)
         return episode
 
     return list(await asyncio.gather(*(one(i) for i in range(n))))

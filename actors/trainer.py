@@ -21,6 +21,8 @@ from typing import Any
 import numpy as np
 import ray
 
+from actors.config import LoraConfig
+from actors.lora import AdapterOff, adapter_items, add_adapter, decoder_layers
 from actors.weights import WeightPacker, Weights
 
 logger = logging.getLogger("raygent")
@@ -75,8 +77,9 @@ class TrainMailbox:
 
 
 def _load_model(path: str, device, strategy: str, mesh, cfg: dict[str, Any], trainable: bool):
-    """An HF model on `device` in float32 (the master weights), sharded with FSDP2 per decoder layer and then at the
-    root (the FSDP2 recipe), bf16 compute under `mixed_precision: bf16` (float32 gradient reduction)."""
+    """An HF model on `device` in float32 (the master weights), with a fresh LoRA adapter when `cfg["lora"]` (only
+    the adapter trains), sharded with FSDP2 per decoder layer and then at the root (the FSDP2 recipe), bf16 compute
+    under `mixed_precision: bf16` (float32 gradient reduction)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -86,6 +89,8 @@ def _load_model(path: str, device, strategy: str, mesh, cfg: dict[str, Any], tra
         if cfg.get("activation_checkpointing"):
             model.config.use_cache = False
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if cfg.get("lora"):
+            model = add_adapter(model, LoraConfig.model_validate(cfg["lora"]))
     else:
         model.eval().requires_grad_(False)
     if strategy == "fsdp":
@@ -93,7 +98,7 @@ def _load_model(path: str, device, strategy: str, mesh, cfg: dict[str, Any], tra
 
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
             if cfg.get("mixed_precision") == "bf16" else MixedPrecisionPolicy()
-        for layer in model.model.layers:
+        for layer in decoder_layers(model):
             fully_shard(layer, mesh=mesh, mp_policy=mp)
         fully_shard(model, mesh=mesh, mp_policy=mp)
     elif strategy == "ddp" and trainable:
@@ -104,8 +109,9 @@ def _load_model(path: str, device, strategy: str, mesh, cfg: dict[str, Any], tra
 
 
 def setup_models(cfg: dict[str, Any], world: int):
-    """The policy (trainable) and, when `kl_coef > 0`, the frozen reference model sharded the same way; the device,
-    the strategy in effect (one worker runs unsharded) and the autocast dtype (bf16 without FSDP2's policy)."""
+    """The policy (trainable) and, when `kl_coef > 0`, the frozen reference model sharded the same way (with LoRA:
+    the policy with its adapter off); the device, the strategy in effect (one worker runs unsharded) and the
+    autocast dtype (bf16 without FSDP2's policy)."""
     import torch
 
     device = torch.device("cuda", torch.cuda.current_device()) if cfg["use_gpu"] else torch.device("cpu")
@@ -118,7 +124,8 @@ def setup_models(cfg: dict[str, Any], world: int):
     model = _load_model(cfg["model_path"], device, strategy, mesh, cfg, trainable=True)
     ref = None
     if cfg["optim"].get("kl_coef", 0) > 0:
-        ref = _load_model(cfg["ref_model_path"], device, strategy, mesh, cfg, trainable=False)
+        ref = AdapterOff(getattr(model, "module", model)) if cfg.get("lora") else \
+            _load_model(cfg["ref_model_path"], device, strategy, mesh, cfg, trainable=False)
     autocast_dtype = torch.bfloat16 if cfg.get("mixed_precision") == "bf16" and strategy != "fsdp" else None
     return model, ref, device, strategy, autocast_dtype
 
@@ -138,13 +145,15 @@ def copy_weights(source, target) -> None:
 
 
 def pack_model_weights(model, strategy: str, dtype: str, bucket_bytes: int, rank: int,
-                       put: Callable[[Any], Any] = ray.put) -> Weights | None:
-    """The full weights, in `dtype` and in buckets, in the object store (rank 0 returns them; others None). Under
-    FSDP each parameter is gathered on its own (a collective: every rank calls this), so no rank ever holds the
-    whole model at once beyond one bucket. A tied head travels too (engines that reload in place need it)."""
+                       put: Callable[[Any], Any] = ray.put, adapter_only: bool = False) -> Weights | None:
+    """The full weights, or with `adapter_only` the LoRA adapter alone (peft's names), in `dtype` and in buckets, in
+    the object store (rank 0 returns them; others None). Under FSDP each parameter is gathered on its own (a
+    collective: every rank calls this), so no rank ever holds the whole model at once beyond one bucket. A tied
+    head travels too (engines that reload in place need it)."""
     module = model.module if strategy == "ddp" else model
-    packer = WeightPacker(dtype, bucket_bytes, put) if rank == 0 else None
-    for name, value in module.state_dict().items():
+    packer = WeightPacker(dtype, bucket_bytes, put, kind="adapter" if adapter_only else "full") if rank == 0 else None
+    state = module.state_dict().items()
+    for name, value in (adapter_items(state) if adapter_only else state):
         full = value.full_tensor() if hasattr(value, "full_tensor") else value
         if packer is not None:
             packer.add(name, full)
@@ -221,8 +230,8 @@ def train_loop_per_worker(cfg: dict[str, Any]) -> None:
     model, ref_model, device, strategy, autocast_dtype = setup_models(cfg, world)
     collective = Collective.from_torch()
     optim = OptimConfig.model_validate(cfg["optim"])
-    optimizer = torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=optim.betas,
-                                  weight_decay=optim.weight_decay)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=optim.lr,
+                                  betas=optim.betas, weight_decay=optim.weight_decay)  # LoRA: the adapter only
     if cfg.get("train_state"):
         load_train_state(model, optimizer, cfg["train_state"])
     elif cfg.get("optimizer_state"):
@@ -275,7 +284,8 @@ def train_loop_per_worker(cfg: dict[str, Any]) -> None:
             metrics = {}
         elif kind == "set_reference":
             # After the warm start: the reference becomes the policy RL starts from (shard by shard, no reload).
-            if ref_model is not None:
+            # With LoRA the reference stays the base model (the adapter switched off).
+            if ref_model is not None and not cfg.get("lora"):
                 copy_weights(model, ref_model)
             metrics = {}
         elif kind == "save_train_state":
@@ -292,7 +302,8 @@ def train_loop_per_worker(cfg: dict[str, Any]) -> None:
             raise ValueError(f"unknown trainer task {kind!r}")
         result["metrics"] = metrics  # already global (all-reduced inside the steps)
         if task.get("want_weights"):
-            weights = pack_model_weights(model, strategy, cfg["weights_dtype"], cfg["weights_bucket_bytes"], rank)
+            weights = pack_model_weights(model, strategy, cfg["weights_dtype"], cfg["weights_bucket_bytes"], rank,
+                                         adapter_only=bool(cfg.get("lora")))
             if weights is not None:
                 result["weights"] = weights  # bucket refs: the bytes stay in the object store
         return result

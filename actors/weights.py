@@ -34,11 +34,13 @@ class WeightBucket:
 
 @dataclass(frozen=True)
 class Weights:
-    """A full set of model weights in the object store, as buckets of one dtype."""
+    """A set of weights in the object store, as buckets of one dtype: the full model (`kind` "full") or a LoRA
+    adapter under peft's names (`kind` "adapter", actors/lora.py)."""
 
     buckets: tuple[WeightBucket, ...]
     dtype: str
     nbytes: int
+    kind: str = "full"
 
     @property
     def names(self) -> list[str]:
@@ -77,14 +79,15 @@ class WeightPacker:
     alone in its own bucket) and puts each full bucket in the object store (`ray.put` unless `put` is given: the
     bucket buffer is reused, so `put` must copy)."""
 
-    def __init__(self, dtype: str, bucket_bytes: int, put: Callable[[Any], ray.ObjectRef] | None = None):
+    def __init__(self, dtype: str, bucket_bytes: int, put: Callable[[Any], ray.ObjectRef] | None = None,
+                 kind: str = "full"):
         if dtype not in DTYPES:
             raise ValueError(f"weights dtype {dtype!r}; allowed: {', '.join(DTYPES)}")
         if put is None:  # imported here, not at the top: packing without Ray (the GPU check) needs no Ray
             import ray
 
             put = ray.put
-        self.dtype, self.bucket_bytes, self.put = dtype, int(bucket_bytes), put
+        self.dtype, self.bucket_bytes, self.put, self.kind = dtype, int(bucket_bytes), put, kind
         self.buckets: list[WeightBucket] = []
         self._buffer = np.empty(0, dtype=np.uint8)
         self._entries: list[tuple[str, tuple[int, ...], int]] = []
@@ -113,14 +116,15 @@ class WeightPacker:
     def finish(self) -> Weights:
         self._flush()
         self._buffer = np.empty(0, dtype=np.uint8)
-        return Weights(tuple(self.buckets), self.dtype, sum(b.nbytes for b in self.buckets))
+        return Weights(tuple(self.buckets), self.dtype, sum(b.nbytes for b in self.buckets), self.kind)
 
 
-def pack_weights(tensors: Iterable[tuple[str, torch.Tensor | np.ndarray]], dtype: str, bucket_bytes: int) -> Weights:
+def pack_weights(tensors: Iterable[tuple[str, torch.Tensor | np.ndarray]], dtype: str, bucket_bytes: int,
+                 kind: str = "full") -> Weights:
     """Weights from (name, tensor or array) pairs, e.g. a state dict's items or a model folder's arrays."""
     import torch
 
-    packer = WeightPacker(dtype, bucket_bytes)
+    packer = WeightPacker(dtype, bucket_bytes, kind=kind)
     for name, value in tensors:
         packer.add(name, torch.from_numpy(np.asarray(value)) if isinstance(value, np.ndarray) else value)
     return packer.finish()

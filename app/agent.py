@@ -349,8 +349,10 @@ class AgentAPI:
         self.sessions: OrderedDict[str, _Session] = OrderedDict()
         self.created = int(time.time())
         self._tokenizer = None
-        # What the served folder is as an agent (None for a plain HF folder or a hub id).
-        self.card: AgentCard | None = read_agent_card(self.model_path) if os.path.isdir(self.model_path) else None
+        # What the served folder is as an agent (None for a plain HF folder or a hub id); a LoRA checkpoint's
+        # adapter folder carries the card when the base model is served with it.
+        carded = self.config.policy.adapter or self.model_path
+        self.card: AgentCard | None = read_agent_card(carded) if os.path.isdir(carded) else None
         if self.card is None:
             memory.make(self.config.memory or "simple", **self.config.memory_kwargs)  # a bad name fails at start-up
         self.allowed_envs = self.config.allowed_envs or ([self.card.env.name] if self.card else envs.list_envs())

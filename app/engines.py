@@ -6,7 +6,9 @@ and returns, for each, the sampled token ids and their log-probs under the *raw*
 temperature / top-p: that is the distribution the trainer recomputes). `load_weights` replaces the weights in place
 from (name, tensor) pairs, consumed once, in any order (`Weights.tensors()`: one bucket of the object store at a
 time). The async engine takes one request at a time (`generate_one`, awaited; vLLM batches whatever runs at once)
-and a whole `Weights` (`load_weights`, awaited). The Serve deployment adds batching, versions and HTTP on top.
+and a whole `Weights` (`load_weights`, awaited). An engine built with a LoRA rank serves its model plus an adapter
+that `load_adapter(folder)` swaps in (peft's folder format, `actors.lora`); vLLM runs it as a LoRA adapter, transformers
+through peft. The Serve deployment adds batching, versions and HTTP on top.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from actors.config import EngineName, SamplingConfig
+from actors.config import EngineName, LoraConfig, SamplingConfig
+from actors.lora import adapter_rank, add_adapter, read_adapter, vllm_rank
 from actors.weights import Weights
 
 logger = logging.getLogger(__name__)
@@ -42,6 +45,10 @@ class Engine(Protocol):
     def generate(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingConfig]) -> list[Completion]: ...
 
     def load_weights(self, tensors: Iterable[tuple[str, Any]]) -> None: ...
+
+    def load_adapter(self, folder: str) -> None:
+        """Serve the model plus the LoRA adapter in `folder` from now on (the previous adapter is dropped)."""
+        ...
 
     def prefix_cache(self) -> dict[str, int] | None:
         """Prompt tokens looked up in the engine's prefix cache since it started, and how many were found; None where
@@ -110,7 +117,8 @@ class HFEngine:
     name = "hf"
     request_errors: tuple[type[Exception], ...] = (ValueError,)
 
-    def __init__(self, model_path: str, dtype: str = "float32", device: str | None = None, **_: Any):
+    def __init__(self, model_path: str, dtype: str = "float32", device: str | None = None,
+                 lora: LoraConfig | None = None, adapter: str | None = None, **_: Any):
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -118,6 +126,12 @@ class HFEngine:
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.tokenizer = AutoTokenizer.from_pretrained(model_path, padding_side="left")
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(self.device)
+        if adapter is not None:
+            from peft import PeftModel
+
+            self.model = PeftModel.from_pretrained(self.model, adapter)
+        elif lora is not None:
+            self.model = add_adapter(self.model, lora)  # B = 0: the base model until an adapter is loaded
         self.model.eval()
         self.eos_ids = self._eos_ids()
 
@@ -231,9 +245,28 @@ class HFEngine:
         else:
             self.model.load_state_dict(state_dict, strict=False)
 
+    def load_adapter(self, folder: str) -> None:
+        from peft import set_peft_model_state_dict
+
+        if not hasattr(self.model, "disable_adapter"):
+            raise ValueError("this engine was built without LoRA (policy.lora or policy.adapter)")
+        tensors, _ = read_adapter(folder)
+        result = set_peft_model_state_dict(self.model, {k: v.to(self.device) for k, v in tensors.items()})
+        missing = [k for k in result.missing_keys if ".lora_" in k]  # the base's own weights are never in it
+        if result.unexpected_keys or missing:
+            raise ValueError(f"the adapter does not fit the model: unexpected {result.unexpected_keys[:5]}, "
+                             f"missing {missing[:5]}")
+
+
+def _vllm_lora_rank(lora: LoraConfig | None, adapter: str | None) -> int | None:
+    """The LoRA rank an engine must hold (None: no LoRA)."""
+    if adapter is not None:
+        return adapter_rank(adapter)
+    return lora.rank if lora is not None else None
+
 
 def _vllm_args(model_path: str, dtype: str, max_model_len: int, kv_cache_bytes: int, gpu_memory_utilization: float,
-               seed: int, run_dir: str | None) -> dict[str, Any]:
+               seed: int, run_dir: str | None, lora_rank: int | None = None) -> dict[str, Any]:
     """The engine arguments both vLLM engines share, and the environment vLLM reads at import / start-up."""
     # no core pinning: several replicas share the CPU cores (platform notes)
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
@@ -253,7 +286,25 @@ def _vllm_args(model_path: str, dtype: str, max_model_len: int, kv_cache_bytes: 
         # cannot do ("CPU Generator does not use offset", vLLM 0.32): every seeded reply of a batch whose
         # prompts exceed one step's token budget failed. Unchunked, a prompt waits for a step it fits in.
         args.update(enable_chunked_prefill=False, max_num_batched_tokens=max(max_model_len, 4096))
+    if lora_rank is not None:  # two adapters at once: the new one is loaded before the old one is dropped
+        args.update(enable_lora=True, max_lora_rank=vllm_rank(lora_rank), max_loras=2)
     return args
+
+
+class _VLLMAdapters:
+    """The adapter a vLLM engine serves: each `load_adapter` registers the folder under a new LoRA id (requests
+    started before keep the old one until they finish), then drops the old id."""
+
+    def __init__(self) -> None:
+        self.request: Any = None  # the LoRARequest every generation carries (None: the base model)
+        self._next_id = 1
+
+    def next_request(self, folder: str) -> Any:
+        from vllm.lora.request import LoRARequest
+
+        request = LoRARequest(f"raygent-adapter-{self._next_id}", self._next_id, folder)
+        self._next_id += 1
+        return request
 
 
 def _vllm_sampling(p: SamplingConfig, final_only: bool = False):
@@ -298,20 +349,25 @@ class VLLMEngine:
 
     def __init__(self, model_path: str, dtype: str = "float32", max_model_len: int = 1024,
                  kv_cache_bytes: int = 256 * 2**20, gpu_memory_utilization: float = 0.5, seed: int = 0,
-                 run_dir: str | None = None, **_: Any):
+                 run_dir: str | None = None, lora: LoraConfig | None = None, adapter: str | None = None, **_: Any):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process
-        args = _vllm_args(model_path, dtype, max_model_len, kv_cache_bytes, gpu_memory_utilization, seed, run_dir)
+        args = _vllm_args(model_path, dtype, max_model_len, kv_cache_bytes, gpu_memory_utilization, seed, run_dir,
+                          _vllm_lora_rank(lora, adapter))
         from vllm import LLM
 
         self.llm = LLM(**args, disable_log_stats=False)  # the prefix-cache counters (`prefix_cache`)
         self.tokenizer = self.llm.get_tokenizer()
         self.request_errors = _vllm_request_errors()
+        self.adapters = _VLLMAdapters()
+        if adapter is not None:
+            self.load_adapter(adapter)
 
     def generate(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingConfig]) -> list[Completion]:
         from vllm import TokensPrompt
 
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(x)) for x in prompts],
-                                    [_vllm_sampling(p) for p in params], use_tqdm=False)
+                                    [_vllm_sampling(p) for p in params], use_tqdm=False,
+                                    lora_request=self.adapters.request)
         return [_vllm_completion(prompt, out.outputs[0]) for prompt, out in zip(prompts, outputs, strict=True)]
 
     def prefix_cache(self) -> dict[str, int]:
@@ -326,6 +382,13 @@ class VLLMEngine:
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": with_tied_head(tensors, tied)})
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
 
+    def load_adapter(self, folder: str) -> None:
+        request, old = self.adapters.next_request(folder), self.adapters.request
+        self.llm.llm_engine.add_lora(request)  # loaded now, not by the first request that names it
+        self.adapters.request = request
+        if old is not None:
+            self.llm.llm_engine.remove_lora(old.lora_int_id)
+
 
 class AsyncVLLMEngine:
     """vLLM's async engine (`AsyncLLM`): a request joins the running batch as soon as it arrives (continuous
@@ -337,7 +400,7 @@ class AsyncVLLMEngine:
 
     def __init__(self, model_path: str, dtype: str = "float32", max_model_len: int = 1024,
                  kv_cache_bytes: int = 256 * 2**20, gpu_memory_utilization: float = 0.5, seed: int = 0,
-                 run_dir: str | None = None, **_: Any):
+                 run_dir: str | None = None, lora: LoraConfig | None = None, adapter: str | None = None, **_: Any):
         # The engine core runs in a child process whatever this says (AsyncLLM); "0" lets the model run inside that
         # process ("uni" executor) where vLLM's CPU platform would otherwise add a worker process and have the core
         # spin-wait on it (76% of the core's samples in sched_yield under load, measured with py-spy), taking one
@@ -347,7 +410,8 @@ class AsyncVLLMEngine:
         # has another token count, so the core grew by ~490 MiB in 240 s of load. 16 kept it flat (+1.3%, and no
         # slower: 64 vs 54 requests/s in the load benchmark). Read by the core process at start; CPU only.
         os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "16")
-        args = _vllm_args(model_path, dtype, max_model_len, kv_cache_bytes, gpu_memory_utilization, seed, run_dir)
+        args = _vllm_args(model_path, dtype, max_model_len, kv_cache_bytes, gpu_memory_utilization, seed, run_dir,
+                          _vllm_lora_rank(lora, adapter))
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -355,13 +419,17 @@ class AsyncVLLMEngine:
             **args, worker_extension_cls="app.vllm_worker.WorkerExtension", distributed_executor_backend="uni"))
         self.tokenizer = self.llm.get_tokenizer()
         self.request_errors = _vllm_request_errors()
+        self.adapters = _VLLMAdapters()
+        # an adapter given at start is registered with the first request (no event loop to await on here)
+        self.adapters.request = self.adapters.next_request(adapter) if adapter is not None else None
 
     async def generate_one(self, prompt: Sequence[int], params: SamplingConfig) -> Completion:
         from vllm import TokensPrompt
 
         final = None
         async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(prompt)),
-                                           _vllm_sampling(params, final_only=True), request_id=uuid.uuid4().hex):
+                                           _vllm_sampling(params, final_only=True), request_id=uuid.uuid4().hex,
+                                           lora_request=self.adapters.request):
             final = out
         if final is None:
             raise RuntimeError("the engine ended the request without an output")
@@ -379,6 +447,13 @@ class AsyncVLLMEngine:
                 data.data, [[name, list(shape), offset] for name, shape, offset in bucket.entries], weights.dtype))
         await self.llm.collective_rpc("raygent_finish_weight_update")
         await self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+
+    async def load_adapter(self, folder: str) -> None:
+        request, old = self.adapters.next_request(folder), self.adapters.request
+        await self.llm.add_lora(request)
+        self.adapters.request = request
+        if old is not None:
+            await self.llm.remove_lora(old.lora_int_id)
 
     def shutdown(self) -> None:
         self.llm.shutdown()

@@ -12,6 +12,8 @@ import asyncio
 import contextlib
 import logging
 import os
+import shutil
+import tempfile
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -21,6 +23,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from actors.config import PolicyConfig, SamplingConfig
+from actors.lora import write_adapter
 from actors.metrics import quiet_frameworks
 from actors.prompting import encode_chat
 from actors.weights import Weights
@@ -79,8 +82,9 @@ class Policy:
         self.engine = make_engine(
             self.config.engine, self.model_path, dtype=self.config.dtype, max_model_len=self.config.max_model_len,
             kv_cache_bytes=self.config.kv_cache_bytes, gpu_memory_utilization=self.config.gpu_memory_utilization,
-            seed=self.config.seed,
+            seed=self.config.seed, lora=self.config.lora, adapter=self.config.adapter,
         )
+        self._adapter_dir: str | None = None  # this replica's copy of the latest trained adapter (LoRA runs)
         self.tokenizer = self.engine.tokenizer
         self.vocab_size = len(self.tokenizer)
         self.version = self.config.initial_version
@@ -198,10 +202,10 @@ class Policy:
 
     # ---- weights -----------------------------------------------------------------------------------------------
     async def update_weights(self, weights: Weights, version: int) -> dict[str, Any]:
-        """Load a full set of weights as weight `version`, streamed into the engine one bucket at a time (zero-copy
-        views of the object store). Generation waits for the running batch, then for the update: every reply comes
-        from one version. Versions only go up: an older or equal one is refused, so a late broadcast can never roll
-        back."""
+        """Load a full set of weights (streamed into the engine one bucket at a time, zero-copy views of the object
+        store), or a LoRA run's adapter, as weight `version`. Generation waits for the running batch, then for the
+        update: every reply comes from one version. Versions only go up: an older or equal one is refused, so a
+        late broadcast can never roll back."""
         if weights.dtype != self.config.dtype:
             raise ValueError(f"weights in {weights.dtype} for an engine in {self.config.dtype}")
         started = time.perf_counter()
@@ -218,15 +222,38 @@ class Policy:
                 "bytes": weights.nbytes}
 
     async def _load(self, weights: Weights) -> None:
-        if isinstance(self.engine, AsyncVLLMEngine):
+        if weights.kind == "adapter":
+            await self._load_adapter(weights)
+        elif isinstance(self.engine, AsyncVLLMEngine):
             await self.engine.load_weights(weights)
         else:
             await asyncio.to_thread(self.engine.load_weights, weights.tensors())
+
+    async def _load_adapter(self, weights: Weights) -> None:
+        """A LoRA run's update: the adapter alone, written as a folder on this node (the engines load adapters from
+        folders), served from now on; the previous folder goes."""
+        if self.config.lora is None:
+            raise ValueError("adapter weights for a replica without policy.lora")
+        folder = tempfile.mkdtemp(prefix="raygent-adapter-")
+        try:
+            await asyncio.to_thread(write_adapter, folder, weights.state_dict(), self.config.lora, self.model_path)
+            if isinstance(self.engine, AsyncVLLMEngine):
+                await self.engine.load_adapter(folder)
+            else:
+                await asyncio.to_thread(self.engine.load_adapter, folder)
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+        previous, self._adapter_dir = self._adapter_dir, folder
+        if previous is not None:
+            shutil.rmtree(previous, ignore_errors=True)
 
     def __del__(self) -> None:
         # Serve calls this when it stops the replica: the async engine's core process goes with it
         if isinstance(getattr(self, "engine", None), AsyncVLLMEngine):
             self.engine.shutdown()
+        if getattr(self, "_adapter_dir", None):
+            shutil.rmtree(self._adapter_dir, ignore_errors=True)
 
     async def info(self, affinity: int | None = None) -> dict[str, Any]:
         """This replica's state; `affinity` (router only) picks the replica as it would for `generate`."""

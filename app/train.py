@@ -27,6 +27,7 @@ from ray.serve.handle import DeploymentHandle
 from actors.checkpoint import latest_checkpoint, load_state
 from actors.config import TrainConfig, check_resume_config, load_train_config
 from actors.controller import Controller
+from actors.lora import check_targets
 from app.default_model import resolve_model
 from app.policy import Policy
 from app.retriever import Retriever
@@ -156,7 +157,16 @@ def build_train_app(args: dict[str, Any]) -> serve.Application:
         version = int(state.get("weight_version", 0))
         if state.get("config") is not None:
             check_resume_config(state["config"], cfg.model_dump(mode="json"))
-    model_path = f"{resume_from}/model" if resume_from else resolve_model(cfg.policy.model)
+    if cfg.policy.lora is not None:
+        # LoRA: everything starts from the base model (version 0); a resumed run's adapter reaches the replicas
+        # from the controller, and the Train job's from the checkpoint's train_state.
+        model_path, version = resolve_model(cfg.policy.model), 0
+        try:
+            check_targets(model_path, cfg.policy.lora)
+        except ValueError as e:
+            raise ValueError(f"invalid training config:\n  args.policy.lora.{e}") from None
+    else:
+        model_path = f"{resume_from}/model" if resume_from else resolve_model(cfg.policy.model)
     policy_cfg = cfg.policy.model_copy(update={"model": model_path, "initial_version": version,
                                                "sync_from": controller_name(cfg.run_name)}).model_dump()
     config = cfg.model_dump(mode="json")

@@ -12,8 +12,13 @@ logged. Two placements of the processes:
   (every thread of those processes pinned as soon as it appears): generation and the update no longer compete
   for the same core, as on a GPU machine where they use different devices.
 
+`--lora 16` adds sync runs that train a LoRA adapter (rank 16, every linear layer, 10x the learning rate) instead of
+the full weights, from the same warm start: LoRA vs full fine-tuning, same harness, ratios to the full (sync) run of
+the same seed.
+
 Usage (from the repo root):
     python benchmarks/bench_async.py                                  # both placements, seeds 0,1,2, k = 1, 2
+    python benchmarks/bench_async.py --placements shared --staleness "" --lora 16 --name lora
     python benchmarks/bench_async.py --placements cores --seeds 0 --iterations 8 --name quick
 Writes benchmarks/results/bench_async[_<name>].json and .png (rewritten after every run).
 """
@@ -39,11 +44,14 @@ GENERATION = ("ray::ServeReplica:", "VLLM::EngineCore", "ray::EnvGroupActor")
 UPDATE = ("ray::RayTrainWorker",)
 
 
-def modes(ks: list[int]) -> dict[str, dict[str, Any]]:
+def modes(ks: list[int], lora_ranks: list[int] = (), lr: float = 3e-4) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {"sync": {}}
     for k in ks:
         out[f"async-k{k}"] = {"rollout.mode": "async", "rollout.max_staleness": k,
                               "optim.old_logprobs": "recompute", "optim.rollout_correction": "tis"}
+    for r in lora_ranks:  # sync mode, the adapter trained instead of the full weights (alpha = 2 rank), at ten
+        # times the full run's learning rate (LoRA's usual practice: its updates are low-rank and start at zero)
+        out[f"lora-r{r}"] = {"policy.lora": {"rank": r, "alpha": 2.0 * r}, "optim.lr": 10 * lr}
     return out
 
 
@@ -180,7 +188,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", type=Path, default=REPO_ROOT / "serve_configs" / "train.yaml")
     parser.add_argument("--seeds", default="0,1,2")
-    parser.add_argument("--staleness", default="1,2", help="the k of the async runs")
+    parser.add_argument("--staleness", default="1,2", help="the k of the async runs ('' for none)")
+    parser.add_argument("--lora", default="", help="LoRA ranks: sync runs that train an adapter on every linear "
+                                                   "layer instead of the full weights (e.g. 16)")
     parser.add_argument("--placements", default="cores,shared")
     parser.add_argument("--iterations", type=int, default=16)
     parser.add_argument("--val-envs", type=int, default=256)
@@ -196,7 +206,10 @@ def main() -> None:
                  **{k: yaml.safe_load(v) for k, v in (s.split("=", 1) for s in args.set)}}
     start = warm_start_once(args.config, work, overrides)
     seeds = [int(s) for s in args.seeds.split(",")]
-    mode_overrides = modes([int(k) for k in args.staleness.split(",")])
+    app_args = yaml.safe_load(args.config.read_text())["applications"][0]["args"]
+    lr = float(overrides.get("optim.lr", app_args.get("optim", {}).get("lr", 3e-4)))
+    mode_overrides = modes([int(k) for k in args.staleness.split(",") if k],
+                           [int(r) for r in args.lora.split(",") if r], lr)
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {p: {m: [] for m in mode_overrides}
                                                         for p in args.placements.split(",")}
     out_path = RESULTS / f"bench_async{'_' + args.name if args.name else ''}.json"

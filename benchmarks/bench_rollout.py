@@ -83,7 +83,7 @@ def actor_system(ray, cfg: TrainConfig, model_path: str, n_groups: int, actors: 
     them, and the share of a trajectory's later steps answered by its previous step's replica."""
     from ray import serve
 
-    from actors.env_group import EnvGroupActor
+    from actors.env_group import EnvGroupActor, read_rollout
     from app.policy import Policy
 
     route_by_group = cfg.rollout.route_by_group if route_by_group is None else route_by_group
@@ -107,11 +107,12 @@ def actor_system(ray, cfg: TrainConfig, model_path: str, n_groups: int, actors: 
     async def one_round(index: int) -> tuple[list[dict[str, Any]], float]:
         seeds = round_seeds(cfg, n_groups, index)
         started = time.perf_counter()
-        calls = [a.rollout.remote(seeds[s].tolist(), cfg.rollout.group_size, int(s[0]), sampling,
-                                  cfg.rollout.requests_per_step, cfg.seed, index, route_by_group=route_by_group)
-                 for a, s in zip(env_actors, slices, strict=False)]
-        metrics = await asyncio.gather(*(m for _, m in calls))
-        return metrics, time.perf_counter() - started
+        groups: list[dict[str, Any]] = []  # each group's counts, as its block streams in
+        streams = [a.rollout.remote(seeds[s].tolist(), s.tolist(), cfg.rollout.group_size, sampling,
+                                    cfg.rollout.requests_per_step, cfg.seed, index, route_by_group=route_by_group)
+                   for a, s in zip(env_actors, slices, strict=False)]
+        await asyncio.gather(*(read_rollout(s, lambda head, _: groups.append(head)) for s in streams))
+        return groups, time.perf_counter() - started
 
     asyncio.run(one_round(0))  # warm-up
     before = prefix_cache()

@@ -71,7 +71,7 @@ class Lockstep:
         self._maybe_flush()
         return await future
 
-    def episode_ended(self, _episode: Any) -> None:
+    def episode_ended(self, _index: int, _episode: Any) -> None:
         self.stepping -= 1
         self._maybe_flush()
 

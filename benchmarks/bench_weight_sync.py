@@ -7,13 +7,17 @@ vLLM engine, as Policy replicas do. Variants:
   the whole model on rank 0 as float32 numpy arrays, one `ray.put`, each receiver fetches the dict and loads it;
 - `bucketed` float32 and bfloat16: `pack_model_weights` gathers one parameter at a time into buckets of
   `--bucket-mb` in the object store; each receiver streams them into its engine (`Weights.tensors()`); the
-  receivers' engines are in that dtype.
+  receivers' engines are in that dtype;
+- `adapter` float32 (a LoRA run, `--lora-rank` on every linear layer of the decoder): the senders hold the model
+  with its adapter and pack the adapter alone; each receiver writes it as an adapter folder and swaps it into its
+  vLLM engine (LoRA enabled), as a Policy replica does.
 Reported per variant: seconds per sync (sender + both receivers; median of repeats after a warm-up), the peak
 memory the sync adds to rank 0 and to a receiver (ru_maxrss of fresh processes, measured over their first sync:
 exact peaks; the object-store pages a process writes or reads count in both variants alike), and the bytes sent.
 Writes benchmarks/results/bench_weight_sync.json.
 
     python benchmarks/bench_weight_sync.py [--repeats 3] [--bucket-mb 64] [--sizes 10M 100M]
+    python benchmarks/bench_weight_sync.py --variants bucketed_float32 adapter_float32 --out bench_weight_sync_lora
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import os
 import resource
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -42,11 +47,17 @@ def main() -> None:
     parser.add_argument("--sizes", nargs="+", default=["10M", "100M"])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--bucket-mb", type=int, default=64)
+    parser.add_argument("--variants", nargs="+", default=["full_float32", "bucketed_float32", "bucketed_bfloat16"],
+                        help="of full_float32, bucketed_float32, bucketed_bfloat16, adapter_float32")
+    parser.add_argument("--lora-rank", type=int, default=16)
+    parser.add_argument("--out", default="bench_weight_sync", help="the results file's name, under results/")
     args = parser.parse_args()
 
     import ray
     import torch
 
+    from actors.config import LoraConfig
+    from actors.lora import write_adapter
     from actors.trainer import pack_model_weights
     from app.default_model import build_default_model
     from app.engines import make_engine
@@ -61,7 +72,7 @@ def main() -> None:
     class Rank:
         """One FSDP2 rank of the sender (rank 0 puts what it packs in the object store)."""
 
-        def __init__(self, model_path: str, rank: int, port: int):
+        def __init__(self, model_path: str, rank: int, port: int, lora: dict[str, Any] | None):
             import torch.distributed as dist
             from torch.distributed.device_mesh import init_device_mesh
 
@@ -70,8 +81,8 @@ def main() -> None:
             torch.set_num_threads(1)
             self.rank = rank
             dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-            self.model = _load_model(model_path, torch.device("cpu"), "fsdp", init_device_mesh("cpu", (2,)), {},
-                                     trainable=True)
+            self.model = _load_model(model_path, torch.device("cpu"), "fsdp", init_device_mesh("cpu", (2,)),
+                                     {"lora": lora}, trainable=True)
             self.kept: Any = None
 
         def params(self) -> int:
@@ -89,15 +100,18 @@ def main() -> None:
                 sent = [ray.put(state)] if self.rank == 0 else None
                 del sd, state
             else:
-                sent = pack_model_weights(self.model, "fsdp", dtype, bucket_bytes, self.rank)
+                sent = pack_model_weights(self.model, "fsdp", dtype, bucket_bytes, self.rank,
+                                          adapter_only=variant == "adapter")
             self.kept = sent
             return {"sent": sent, "seconds": time.perf_counter() - started, "peak_added_mib": peak_mib() - before}
 
     @ray.remote(num_cpus=0.5)
     class Receiver:
-        def __init__(self, model_path: str, dtype: str):
+        def __init__(self, model_path: str, dtype: str, lora: dict[str, Any] | None):
             torch.set_num_threads(1)
-            self.engine = make_engine("vllm", model_path, dtype=dtype, max_model_len=256, kv_cache_bytes=32 * 2**20)
+            self.lora = LoraConfig(**lora) if lora else None
+            self.engine = make_engine("vllm", model_path, dtype=dtype, max_model_len=256, kv_cache_bytes=32 * 2**20,
+                                      lora=self.lora)
 
         def take(self, sent: Any) -> dict[str, Any]:
             before, started = peak_mib(), time.perf_counter()
@@ -105,6 +119,10 @@ def main() -> None:
                 state = ray.get(sent[0])
                 self.engine.load_weights([(k, torch.from_numpy(v)) for k, v in state.items()])
                 del state
+            elif sent.kind == "adapter":  # as Policy._load_adapter: a folder on this node, swapped in
+                folder = tempfile.mkdtemp(prefix="bench-adapter-")
+                write_adapter(folder, sent.state_dict(), self.lora)
+                self.engine.load_adapter(folder)
             else:
                 self.engine.load_weights(sent.tensors())
             return {"seconds": time.perf_counter() - started, "peak_added_mib": peak_mib() - before}
@@ -115,10 +133,12 @@ def main() -> None:
         model_path = str(build_default_model(BROADCAST_MODELS[size]))
         out: dict[str, Any] = {}
         params = 0
-        for dtype, variant in (("float32", "full"), ("float32", "bucketed"), ("bfloat16", "bucketed")):
+        for name in args.variants:
+            variant, dtype = name.split("_")
+            lora = {"rank": args.lora_rank, "alpha": 2.0 * args.lora_rank} if variant == "adapter" else None
             port = free_port()  # fresh processes per variant: their first sync's peak is the variant's own
-            ranks = [Rank.remote(model_path, r, port) for r in range(2)]
-            receivers = [Receiver.remote(model_path, dtype) for _ in range(2)]
+            ranks = [Rank.remote(model_path, r, port, lora) for r in range(2)]
+            receivers = [Receiver.remote(model_path, dtype, lora) for _ in range(2)]
             params = ray.get(ranks[0].params.remote())  # a DTensor counts its global elements
             ray.get([r.__ray_ready__.remote() for r in receivers])
             runs = []
@@ -134,7 +154,6 @@ def main() -> None:
                                        if variant == "full" else sent[0]["sent"].nbytes),
                              "buckets": 1 if variant == "full" else len(sent[0]["sent"].buckets)})
                 del sent
-            name = f"{variant}_{dtype}"
             timed = runs[1:]  # the first sync warms up; its peaks are the processes' first (exact) ones
             out[name] = {"sync_s": statistics.median(r["sync_s"] for r in timed),
                          "sender_s": statistics.median(r["sender_s"] for r in timed),
@@ -147,16 +166,18 @@ def main() -> None:
                   f" MiB, receiver +{out[name]['receiver_peak_added_mib']:.0f} MiB", flush=True)
             for actor in [*ranks, *receivers]:
                 ray.kill(actor)
-        full = out["full_float32"]
-        for name in ("bucketed_float32", "bucketed_bfloat16"):
-            out[name]["sync_s_ratio_to_full"] = out[name]["sync_s"] / full["sync_s"]
-            out[name]["rank0_peak_ratio_to_full"] = (out[name]["rank0_peak_added_mib"]
-                                                     / max(1e-9, full["rank0_peak_added_mib"]))
+        # ratios to the first variant of the run (the previous way, or the full weights beside an adapter)
+        first = out[args.variants[0]]
+        for name in args.variants[1:]:
+            out[name]["sync_s_ratio_to_first"] = out[name]["sync_s"] / first["sync_s"]
+            out[name]["bytes_ratio_to_first"] = out[name]["bytes"] / first["bytes"]
+            out[name]["rank0_peak_ratio_to_first"] = (out[name]["rank0_peak_added_mib"]
+                                                      / max(1e-9, first["rank0_peak_added_mib"]))
         results[size] = {"params": params, **out}
     ray.shutdown()
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "bench_weight_sync.json").write_text(json.dumps(results, indent=1) + "\n")
-    print("wrote benchmarks/results/bench_weight_sync.json")
+    (RESULTS / f"{args.out}.json").write_text(json.dumps(results, indent=1) + "\n")
+    print(f"wrote benchmarks/results/{args.out}.json")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """The iteration's Ray Dataset (actors/batch.py) on a real local Ray cluster: whole-batch statistics do not depend on
-how the env-group actors cut the batch into blocks, and the shards of the training workers keep every row."""
+how the rollout cut the batch into blocks (one per group as it streams), sync mode drops whole stale groups, and the
+shards of the training workers keep every row."""
 
 from __future__ import annotations
 
@@ -41,22 +42,42 @@ def _advantages(ds) -> dict[tuple[int, int], float]:
     return {(int(t), int(s)): float(a) for t, s, a in zip(df["traj_id"], df["step"], df["advantage"], strict=True)}
 
 
-@pytest.mark.parametrize("estimator", ["reinforce_pp", "reinforce_pp_baseline", "gigpo"])
-def test_same_advantages_from_one_block_or_three(ray_cluster, estimator):
-    from actors.batch import build_batch
+def _batch(ray_cluster, blocks: list[pa.Table], algo: AlgorithmConfig, version: int | None = None):
+    """As the controller builds it: each block prepared by its own task as it arrives, then the Dataset."""
+    from actors.batch import build_batch, prepare_block_async
 
+    return build_batch([prepare_block_async(ray_cluster.put(b), algo, version) for b in blocks], algo)
+
+
+def _per_group(table: pa.Table) -> list[pa.Table]:
+    group = table["group_id"].to_numpy()
+    return [table.filter(pa.array(group == g)) for g in np.unique(group)]
+
+
+@pytest.mark.parametrize("estimator", ["reinforce_pp", "reinforce_pp_baseline", "gigpo"])
+def test_same_advantages_from_one_block_or_one_per_group(ray_cluster, estimator):
+    """A rollout streams one block per group; advantages must not depend on it, whole-batch statistics
+    included."""
     table = _records(n_groups=6, group_size=4)
     algo = AlgorithmConfig(estimator=estimator)
-    one = build_batch([ray_cluster.put(table)], algo)
-    group = table["group_id"].to_numpy()
-    blocks = [table.filter(pa.array(np.isin(group, part))) for part in ([0, 1], [2], [3, 4, 5])]
-    three = build_batch([ray_cluster.put(b) for b in blocks], algo)
-    a, b = _advantages(one), _advantages(three)
+    one = _batch(ray_cluster, [table], algo)
+    streamed = _batch(ray_cluster, _per_group(table)[::-1], algo)  # groups arrive in any order
+    a, b = _advantages(one), _advantages(streamed)
     assert a.keys() == b.keys() and len(a) == len(table)
     np.testing.assert_allclose([a[k] for k in sorted(a)], [b[k] for k in sorted(a)], rtol=1e-6, atol=1e-7)
     if estimator.startswith("reinforce_pp"):  # whitened over the whole batch, not per block
         values = np.array(list(a.values()))
         assert abs(values.mean()) < 0.3 and values.std() > 0.5
+
+
+def test_sync_mode_leaves_out_whole_groups_with_rows_of_other_weights(ray_cluster):
+    table = _records(n_groups=3, group_size=2, seed=2)
+    versions = np.zeros(table.num_rows, dtype=np.int64)
+    versions[np.flatnonzero(table["group_id"].to_numpy() == 1)[-1]] = 7  # one row of group 1 from a lagging replica
+    table = table.set_column(table.schema.get_field_index("weight_version"), "weight_version", pa.array(versions))
+    kept = _batch(ray_cluster, _per_group(table), AlgorithmConfig(estimator="gigpo"), version=0).to_pandas()
+    assert set(kept["group_id"]) == {0, 2}
+    assert len(kept) == int((table["group_id"].to_numpy() != 1).sum())
 
 
 @pytest.mark.parametrize("workers", [2, 3])

@@ -4,6 +4,7 @@ across concurrent callers, and an update that lands while requests run."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -126,6 +127,71 @@ def test_weight_update_reaches_every_replica_and_restores(ray_cluster, policies,
     np.testing.assert_allclose(restored["logprobs"], before["logprobs"], atol=1e-5)
 
 
+LORA_SPEC = {"rank": 8, "alpha": 16.0, "target_modules": ["q_proj", "v_proj", "o_proj", "down_proj"]}
+
+
+@pytest.fixture(scope="module")
+def lora_policies(serve_url, default_model):
+    """One replica per engine built for a LoRA run (`policy.lora`): the base model until an adapter arrives."""
+    from ray import serve
+
+    from app.policy import Policy
+
+    handles = {engine: serve.run(Policy.options(num_replicas=1).bind(
+        {"model": default_model, "engine": engine, "lora": LORA_SPEC}), name=f"policy-lora-{engine}",
+        route_prefix=None) for engine in ENGINES}
+    yield handles
+    for engine in handles:
+        serve.delete(f"policy-lora-{engine}")
+
+
+def _trained_adapter(default_model: str, seed: int):
+    """The default model with a LoRA adapter whose B is random (a fresh one is the identity), and the adapter's
+    tensors as the Train job sends them."""
+    from transformers import AutoModelForCausalLM
+
+    from actors.config import LoraConfig
+    from actors.lora import adapter_items, add_adapter
+
+    model = add_adapter(AutoModelForCausalLM.from_pretrained(default_model, dtype=torch.float32),
+                        LoraConfig(**LORA_SPEC)).eval()
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:
+                p.normal_(0.0, 0.2)
+    return model, dict(adapter_items(model.state_dict().items()))
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_lora_update_sends_the_adapter_alone_and_the_replica_serves_base_plus_adapter(
+        lora_policies, default_model, hf_model, engine):
+    """A LoRA run's update is the adapter only (a small share of the model's bytes); the replica serves the base
+    model plus that adapter (vLLM: as a LoRA adapter under a new id; transformers: through peft), so its log-probs
+    are the adapted model's forward pass; the next version replaces the adapter, it does not stack on it."""
+    from actors.weights import pack_weights
+
+    handle = lora_policies[engine]
+    base_reply = handle.generate.remote([CHAT], SAMPLING).result()[0]
+    np.testing.assert_allclose(base_reply["logprobs"], forward_logprobs(hf_model, base_reply["prompt_token_ids"],
+                                                                        base_reply["token_ids"]),
+                               atol=LOGPROB_TOLERANCE)  # no adapter yet: the base model
+    full_bytes = sum(p.numel() * 4 for p in hf_model.parameters())
+    start = handle.info.remote().result()["version"]
+    for step, seed in enumerate((1, 2), start=1):
+        model, adapter = _trained_adapter(default_model, seed)
+        weights = pack_weights(adapter.items(), "float32", 1 << 20, kind="adapter")
+        assert weights.nbytes < 0.25 * full_bytes
+        sent = handle.update_weights.remote(weights, start + step).result()
+        assert sent["bytes"] == weights.nbytes and sent["version"] == start + step
+        reply = handle.generate.remote([CHAT], SAMPLING).result()[0]
+        assert reply["weight_version"] == start + step
+        np.testing.assert_allclose(reply["logprobs"], forward_logprobs(model, reply["prompt_token_ids"],
+                                                                       reply["token_ids"]), atol=LOGPROB_TOLERANCE)
+    assert not np.allclose(reply["logprobs"], forward_logprobs(hf_model, reply["prompt_token_ids"],
+                                                               reply["token_ids"]), atol=1e-2)
+
+
 def test_two_replicas_serve_concurrent_requests_in_batches(policies):
     handle = policies["vllm"]
     responses = [handle.generate.remote([CHAT] * 4, {"temperature": 1.0, "max_tokens": 4}) for _ in range(16)]
@@ -158,7 +224,7 @@ def test_a_rollout_routed_by_group_keeps_each_trajectory_on_one_replica(ray_clus
     queue: `bench_affinity` measured 29-99% of later steps there)."""
     import envs
     from actors.config import TrainConfig
-    from actors.env_group import EnvGroupActor
+    from actors.env_group import EnvGroupActor, read_rollout
 
     cfg = TrainConfig()
     actor = EnvGroupActor.options(num_cpus=0.05).remote(cfg.env.name, {**cfg.env_kwargs, "max_steps": 4},
@@ -166,10 +232,66 @@ def test_a_rollout_routed_by_group_keeps_each_trajectory_on_one_replica(ray_clus
                                                         policies["vllm"], 1024)
     sampling = {"temperature": 1.0, "top_p": 1.0, "max_tokens": 8}
     seeds = envs.group_seeds(0, 3, 4, "train").tolist()
-    _, metrics_ref = actor.rollout.remote(seeds, 4, 0, sampling, 2, 0, 3, route_by_group=True)
-    metrics = ray_cluster.get(metrics_ref, timeout=300)
+    groups = []
+    stream = actor.rollout.remote(seeds, list(range(len(seeds))), 4, sampling, 2, 0, 3, route_by_group=True)
+    asyncio.run(asyncio.wait_for(read_rollout(stream, lambda head, _: groups.append(head)), 300))
     ray_cluster.kill(actor)
-    assert metrics["later_steps"] > 0 and metrics["same_replica_steps"] == metrics["later_steps"], metrics
+    later, same = (sum(g[k] for g in groups) for k in ("later_steps", "same_replica_steps"))
+    assert len(groups) == len(seeds) and later > 0 and same == later, groups
+
+
+def test_a_rollout_streams_whole_groups_and_a_killed_actor_keeps_those_it_delivered(ray_cluster, policies,
+                                                                                       default_model):
+    """`EnvGroupActor.rollout` streams one block per group, each holding every member's whole trajectory, and
+    closes with its timing. A block that has arrived belongs to the reader: the actor's process killed (SIGKILL
+    by PID) right after the first block, that block is still read back whole; the stream then fails with the
+    actor's death or ends (when every group had already left), never hangs."""
+    import os
+    import signal
+
+    import envs
+    from actors.config import TrainConfig
+    from actors.env_group import EnvGroupActor, read_rollout
+
+    cfg = TrainConfig()
+    sampling = {"temperature": 1.0, "top_p": 1.0, "max_tokens": 8}
+    seeds = envs.group_seeds(0, 5, 3, "train").tolist()
+
+    def start():
+        actor = EnvGroupActor.options(num_cpus=0.05, max_restarts=0).remote(
+            cfg.env.name, {**cfg.env_kwargs, "max_steps": 3}, cfg.memory.name, cfg.memory.kwargs, default_model,
+            policies["vllm"], 1024)
+        return actor, actor.rollout.remote(seeds, [10, 11, 12], 2, sampling, 2, 0, 5)
+
+    actor, stream = start()
+    heads, blocks = [], []
+    closing = asyncio.run(asyncio.wait_for(read_rollout(stream, lambda h, b: (heads.append(h), blocks.append(b))),
+                                           300))
+    assert sorted(h["group"] for h in heads) == [10, 11, 12] and closing["seconds"] > 0
+    for head, block in zip(heads, blocks, strict=True):
+        rows = ray_cluster.get(block).to_pylist()
+        assert {r["group_id"] for r in rows} == {head["group"]} and len(rows) == head["steps"]
+        assert {r["traj_id"] for r in rows} == {2 * head["group"], 2 * head["group"] + 1}  # both members, whole
+    ray_cluster.kill(actor)
+
+    actor, stream = start()
+    pid = ray_cluster.get(actor.__ray_call__.remote(lambda _: os.getpid()))
+    first = []
+
+    async def read_then_kill():
+        def on_group(head, block):
+            if not first:
+                first.append((head, block))
+                os.kill(pid, signal.SIGKILL)
+        await read_rollout(stream, on_group)
+
+    try:
+        asyncio.run(asyncio.wait_for(read_then_kill(), 300))
+    except ray_cluster.exceptions.RayActorError:
+        pass  # the groups that had not left are lost with the actor: the controller redoes those
+    head, block = first[0]
+    rows = ray_cluster.get(block, timeout=60).to_pylist()
+    assert len(rows) == head["steps"] and len({r["traj_id"] for r in rows}) == 2
 
 
 @pytest.mark.parametrize("engine", ["vllm", "vllm-async"])

@@ -75,6 +75,16 @@ def test_gpu_recipe_without_a_gpu_fails_before_any_actor_starts(monkeypatch):
         build_train_app(app["args"])
 
 
+def test_a_lora_target_the_model_lacks_fails_before_any_actor_starts():
+    from app.train import build_train_app
+
+    args = {"policy": {"model": "default:tiny", "lora": {"target_modules": ["q_proj", "attn_proj"]}}}
+    with pytest.raises(ValueError) as err:
+        build_train_app(args)
+    message = str(err.value)
+    assert "args.policy.lora.target_modules ['attn_proj']" in message and "'q_proj'" in message, message
+
+
 @pytest.mark.parametrize("args, words", [
     ({"optim": {"lr": -1}}, ["args.optim.lr", "greater than 0"]),
     ({"algorithm": {"estimator": "ppo2"}}, ["args.algorithm.estimator", "allowed"]),
@@ -90,6 +100,11 @@ def test_gpu_recipe_without_a_gpu_fails_before_any_actor_starts(monkeypatch):
     ({"policy": {"dtype": "fp8"}}, ["args.policy.dtype", "'float32', 'bfloat16' or 'float16'"]),
     ({"weight_sync": {"bucket_mb": 10**7}}, ["args.weight_sync.bucket_mb", "does not fit", "eighth of this machine"]),
     ({"weight_sync": {"bucket_mb": 0}}, ["args.weight_sync.bucket_mb", "greater than or equal to 1"]),
+    ({"policy": {"lora": {"rank": 0}}}, ["args.policy.lora.rank", "greater than or equal to 1"]),
+    ({"policy": {"lora": {"target_modules": []}}}, ["args.policy.lora.target_modules", "at least 1"]),
+    ({"policy": {"lora": {"dropout": 1.0}}}, ["args.policy.lora.dropout", "less than 1"]),
+    ({"policy": {"adapter": "runs/x/checkpoints/iter_000001/adapter"}}, ["policy.adapter is for serving",
+                                                                          "policy.lora"]),
 ])
 def test_bad_train_config_names_the_field_and_what_is_allowed(args, words):
     with pytest.raises(ValueError) as err:

@@ -4,6 +4,7 @@ and scores held-out rooms within noise of the run's own validation on those room
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 
 import httpx
@@ -65,7 +66,7 @@ def test_a_training_rollout_replays_through_the_endpoint(ray_cluster, served, ch
     """The env-group actor's rollout (training) and /v1/episodes (serving), one env seed and one sampling seed:
     token-identical prompts, the same replies, the same trajectory. The two members of the group get different
     sampling seeds."""
-    from actors.env_group import EnvGroupActor
+    from actors.env_group import EnvGroupActor, read_rollout
 
     url, policy = served
     folder, cfg, _ = checkpoint
@@ -74,8 +75,10 @@ def test_a_training_rollout_replays_through_the_endpoint(ray_cluster, served, ch
                                                         cfg.policy.max_model_len)
     sampling = {"temperature": 1.0, "top_p": 1.0, "max_tokens": cfg.rollout.max_tokens}
     seed = int(envs.group_seeds(cfg.seed, 7, 1, "train")[0])
-    table_ref, _ = actor.rollout.remote([seed], 2, 0, sampling, 1, cfg.seed, 7)
-    rows = ray_cluster.get(table_ref).to_pylist()
+    blocks = []
+    stream = actor.rollout.remote([seed], [0], 2, sampling, 1, cfg.seed, 7)
+    asyncio.run(asyncio.wait_for(read_rollout(stream, lambda _, block: blocks.append(block)), 300))
+    rows = ray_cluster.get(blocks[0]).to_pylist()
     ray_cluster.kill(actor)
     by_member = {m: [r for r in rows if r["traj_id"] == m] for m in (0, 1)}
     assert by_member[0][0]["sampling_seed"] != by_member[1][0]["sampling_seed"]

@@ -333,3 +333,80 @@ def test_a_full_checkpoint_disk_keeps_the_last_checkpoint_and_the_run_goes_on(tm
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
         time.sleep(1)
+
+
+def test_a_lora_run_sends_adapters_checkpoints_them_resumes_and_serves_base_plus_adapter(ray_cluster, serve_url,
+                                                                                          tmp_path):
+    """`policy.lora` from `serve run`: the Train job trains an adapter (FSDP2, the base frozen), the replicas serve
+    base + adapter with vLLM's LoRA (the trainer's log-probs of the sampled replies are the engine's, before and
+    after a resume), each update sends the adapter alone, a checkpoint holds the adapter and the merged model, a
+    resumed run continues from them, and the agent endpoint serves the same agent from base + adapter as from
+    the merged folder."""
+    from ray import serve
+
+    from app.agent import build_agent_app
+
+    address = ray_cluster.get_runtime_context().gcs_address
+    port = int(serve_url.rsplit(":", 1)[1])
+    serve.delete("train")
+
+    def config(iterations: int, name: str) -> Path:
+        return training_config(REPO / "serve_configs" / "test_tiny.yaml", tmp_path / name, port, tmp_path / "runs",
+                               run_name="e2e-lora", iterations=iterations, warm_start={"enabled": False},
+                               env={"name": "sokoban", "kwargs": {"max_steps": 6}},
+                               policy={"model": "default:tiny", "engine": "vllm", "max_model_len": 1024,
+                                       "lora": {"rank": 8, "alpha": 32.0}},
+                               validation={"every": 0, "n_envs": 8, "baseline_envs": 0},
+                               checkpoint={"every": 1, "keep": 2, "resume": "auto"})
+
+    for iterations, name in ((2, "first"), (3, "resumed")):
+        run = ServeRun(config(iterations, f"{name}.yaml"), tmp_path / f"{name}.log", address)
+        try:
+            status = wait_for(lambda: (s := get_status(serve_url))["done"] and s, 600, f"the {name} run", run)
+        finally:
+            run.stop()
+        serve.delete("train")
+        assert status["phase"] == "done" and status["iteration"] == iterations, status
+    assert "resuming" in run.log.read_text()
+
+    runs = tmp_path / "runs" / "e2e-lora"
+    history = [json.loads(line) for line in (runs / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    train = [r for r in history if r.get("phase") == "train"]
+    assert [r["iteration"] for r in train] == [1, 2, 3]
+    # The replicas sample from exactly the trainer's policy: base + the adapter it sent (and after the resume,
+    # base + the checkpoint's adapter): the first PPO ratio is 1 up to numerics.
+    assert all(r["train/rollout_trainer_logprob_gap"] < 1e-3 for r in train), \
+        [r["train/rollout_trainer_logprob_gap"] for r in train]
+    # The reference is the base (the adapter off): a fresh adapter (B = 0) is the base, so iteration 1's KL is 0;
+    # once the adapter has trained it is not, and after the resume it is not either (the adapter came back, not a
+    # fresh one; KL is taken before each iteration's one update).
+    kl = [r["train/kl"] for r in train]
+    assert kl[0] == 0 and kl[1] > 0 and kl[2] > 0, kl
+
+    checkpoint = runs / "checkpoints" / "iter_000003"
+    state = json.loads((checkpoint / "state.json").read_text())
+    assert state["layout_version"] == 4 and Path(state["base_model"]).is_dir()
+    adapter_bytes = (checkpoint / "adapter" / "adapter_model.safetensors").stat().st_size
+    assert adapter_bytes < 0.5 * (checkpoint / "model" / "model.safetensors").stat().st_size
+    assert json.loads((checkpoint / "adapter" / "adapter_config.json").read_text())["r"] == 8
+
+    # One agent, served two ways: the merged folder, and the base model plus the adapter folder.
+    serve.run(build_agent_app({"policy": {"model": str(checkpoint / "model"), "engine": "hf"}}),
+              name="agent-merged", route_prefix="/merged")
+    serve.run(build_agent_app({"policy": {"model": state["base_model"], "adapter": str(checkpoint / "adapter"),
+                                          "engine": "hf"}}), name="agent-adapter", route_prefix="/adapter")
+    try:
+        episodes = {}
+        for route in ("merged", "adapter"):
+            body = httpx.post(f"{serve_url}/{route}/v1/episodes", json={"seed": 4, "sampling_seed": 9,
+                                                                         "return_tokens": True}, timeout=120)
+            assert body.status_code == 200, body.text
+            episodes[route] = body.json()
+        assert episodes["adapter"]["env"] == "sokoban"  # the adapter folder's agent card
+        merged, adapted = episodes["merged"]["trajectory"], episodes["adapter"]["trajectory"]
+        assert [s["response_token_ids"] for s in adapted] == [s["response_token_ids"] for s in merged]
+        for a, b in zip(adapted, merged, strict=True):
+            assert a["logprobs"] == pytest.approx(b["logprobs"], abs=1e-4)
+    finally:
+        serve.delete("agent-merged")
+        serve.delete("agent-adapter")

@@ -4,6 +4,7 @@ gloo (started with torch.multiprocessing, not Ray Train, to keep the test fast).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 from pathlib import Path
@@ -123,28 +124,37 @@ def full_parameters(model) -> torch.Tensor:
                       for p in model.parameters()])
 
 
+@contextlib.contextmanager
+def rank_mesh(rank: int, world: int, port: int | None):
+    """This process as rank `rank` of a gloo group of `world` and its FSDP2 mesh; with `port` None a lone process
+    without a group (mesh None)."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    if port is None:
+        yield None
+        return
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        yield init_device_mesh("cpu", (world,))
+    finally:
+        dist.destroy_process_group()
+
+
 def steps_with_train_state(rank: int, world: int, port: int | None, folder: str, rows: dict[str, list],
                            splits: list[list[int]], steps_before: int, save_dir: str | None, load_dir: str | None,
                            out: str) -> None:
     """One rank (or, with `port` None, a lone process without a process group) of: the model of `folder` and a
     fresh AdamW, the Train job's sharded state loaded from `load_dir` if given, `steps_before` RL steps, the state
     saved to `save_dir` if given, one more step; rank 0 saves the full parameters after it to `out`."""
-    import torch.distributed as dist
-
     from actors.config import OptimConfig
     from actors.learner import ALONE, Collective, rl_step
     from actors.trainer import _load_model, load_train_state, save_train_state
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(1)
-    if port is not None:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        mesh = None
-        if port is not None:
-            from torch.distributed.device_mesh import init_device_mesh
-
-            mesh = init_device_mesh("cpu", (world,))
+    with rank_mesh(rank, world, port) as mesh:
         model = _load_model(folder, torch.device("cpu"), "fsdp" if mesh else "none", mesh, {}, trainable=True)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
         collective = Collective.from_torch() if port is not None else ALONE
@@ -164,9 +174,6 @@ def steps_with_train_state(rank: int, world: int, port: int | None, folder: str,
         params = full_parameters(model)
         if rank == 0:
             torch.save(params, out)
-    finally:
-        if port is not None:
-            dist.destroy_process_group()
 
 
 def packed_weights_on_ranks(rank: int, world: int, port: int, folder: str, dtype: str, bucket_bytes: int,
@@ -193,3 +200,45 @@ def packed_weights_on_ranks(rank: int, world: int, port: int, folder: str, dtype
             assert weights is None
     finally:
         dist.destroy_process_group()
+
+
+LORA = {"rank": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj", "up_proj"], "dropout": 0.0}
+
+
+def lora_steps_on_ranks(rank: int, world: int, port: int | None, folder: str, rows: dict[str, list],
+                        splits: list[list[int]], save_dir: str | None, load_dir: str | None, out: str) -> None:
+    """One rank (or, with `port` None, a lone process) of a LoRA run as the Train job builds it (`_load_model` with
+    `lora`, AdamW over the trainable parameters): the sharded state loaded from `load_dir`, or one RL step and the
+    state saved to `save_dir`; then the adapter packed for the replicas and one more step. Rank 0 saves the packed
+    adapter, the full parameters after the last step and the names of the trainable ones to `out`."""
+    from actors.config import OptimConfig
+    from actors.learner import ALONE, Collective, rl_step
+    from actors.trainer import _load_model, load_train_state, pack_model_weights, save_train_state
+    from actors.weights import bucket_tensors
+
+    with rank_mesh(rank, world, port) as mesh:
+        strategy = "fsdp" if mesh else "none"
+        model = _load_model(folder, torch.device("cpu"), strategy, mesh, {"lora": LORA}, trainable=True)
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        collective = Collective.from_torch() if port is not None else ALONE
+        optim = OptimConfig(minibatch_size=10_000, micro_batch_size=4, old_logprobs="rollout")
+
+        def step() -> None:
+            rl_step(model, optimizer, take(rows, splits[rank]), optim, lr=1e-2, norm_length=8, pad_id=0,
+                    device="cpu", rng=np.random.default_rng(0), collective=collective)
+
+        if load_dir:
+            load_train_state(model, optimizer, load_dir)
+        else:
+            step()
+            if save_dir:
+                save_train_state(model, optimizer, save_dir)
+        weights = pack_model_weights(model, strategy, "float32", 1 << 20, rank, put=np.copy, adapter_only=True)
+        step()
+        params = {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+                  for name, p in model.named_parameters()}
+        if rank == 0:
+            adapter = {name: t.clone() for b in weights.buckets for name, t in bucket_tensors(b.ref, b.entries,
+                                                                                                "float32")}
+            torch.save({"adapter": adapter, "kind": weights.kind, "params": params,
+                        "trainable": [n for n, p in model.named_parameters() if p.requires_grad]}, out)
