@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from actors.checkpoint import latest_checkpoint, list_checkpoints, load_state, save_checkpoint
+from actors.checkpoint import LAYOUT_VERSION, latest_checkpoint, list_checkpoints, load_state, save_checkpoint
 from actors.config import LoggingConfig, check_resume_config
 from actors.metrics import MetricsSink
 
@@ -36,7 +36,7 @@ def test_rotation_keeps_the_newest_and_the_pinned(tmp_path, template):
     for it in (2, 3, 4):
         _save(run, it, template, keep=1, pinned={first})
     assert [p.name for p in list_checkpoints(run)] == ["iter_000001", "iter_000004"]
-    assert load_state(first)["layout_version"] == 3 and (first / "model" / "model.safetensors").exists()
+    assert load_state(first)["layout_version"] == LAYOUT_VERSION and (first / "model" / "model.safetensors").exists()
 
 
 def test_recheckpointing_an_iteration_swaps_in_the_new_one(tmp_path, template, monkeypatch):

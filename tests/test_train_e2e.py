@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from actors.checkpoint import LAYOUT_VERSION
 from actors.metrics import prometheus_name
 from tests.conftest import REPO, scrape_metrics
 from tests.serve_helpers import ServeRun, get_history, get_status, training_config, wait_for
@@ -118,7 +119,7 @@ def test_train_kill_checkpoint_serve_and_resume(ray_cluster, serve_url, tmp_path
         assert not list(checkpoint.parent.glob(".tmp-*")), "a temporary checkpoint folder was left behind"
         # The KL reference is the policy after the warm start, kept outside the rotating checkpoints (keep: 2).
         state = json.loads((checkpoint / "state.json").read_text())
-        assert state["layout_version"] == 3 and state["reference_model"] == "reference"
+        assert state["layout_version"] == LAYOUT_VERSION and state["reference_model"] == "reference"
         assert (checkpoint.parent.parent / "reference" / "model.safetensors").exists()
         assert not (checkpoint.parent / "iter_000000").exists(), "the warm start's checkpoint should have rotated"
         kl_before = [r["train/kl"] for r in train]
@@ -385,7 +386,7 @@ def test_a_lora_run_sends_adapters_checkpoints_them_resumes_and_serves_base_plus
 
     checkpoint = runs / "checkpoints" / "iter_000003"
     state = json.loads((checkpoint / "state.json").read_text())
-    assert state["layout_version"] == 4 and Path(state["base_model"]).is_dir()
+    assert state["layout_version"] == LAYOUT_VERSION and Path(state["base_model"]).is_dir()
     adapter_bytes = (checkpoint / "adapter" / "adapter_model.safetensors").stat().st_size
     assert adapter_bytes < 0.5 * (checkpoint / "model" / "model.safetensors").stat().st_size
     assert json.loads((checkpoint / "adapter" / "adapter_config.json").read_text())["r"] == 8
