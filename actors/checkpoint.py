@@ -38,6 +38,8 @@ import numpy as np
 if TYPE_CHECKING:
     import torch
 
+    from actors.storage import Storage
+
 LAYOUT_VERSION = 4
 TRAIN_STATE = "train_state"
 ADAPTER = "adapter"
@@ -246,6 +248,55 @@ def save_reference(run_dir: Path, weights: Mapping[str, Any], template_dir: Path
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+STORAGE_COMPLETE = ".complete"  # written last into a checkpoint's copy in storage: one without it is never used
+
+
+def mirror_checkpoint(run_dir: Path, checkpoint: Path, storage: Storage) -> None:
+    """A checkpoint written in the run folder, copied to the run's folder in storage (`checkpoint.storage`): its
+    files, then the KL reference (once per version of it) and the metrics so far, then a marker, last: a copy
+    without the marker is never resumed from. Checkpoints the run folder no longer keeps go from storage too."""
+    name = f"checkpoints/{checkpoint.name}"
+    storage.delete(name)  # a copy of an earlier, interrupted attempt
+    storage.upload(checkpoint, name)
+    reference = Path(run_dir) / "reference"
+    if reference.is_dir():
+        stamp = str(reference.stat().st_mtime_ns)  # a warm start run again writes a new reference folder
+        marker = f"reference/{STORAGE_COMPLETE}"
+        if not storage.exists(marker) or storage.read_text(marker) != stamp:
+            storage.delete("reference")
+            storage.upload(reference, "reference")
+            storage.write_text(marker, stamp)
+    metrics = Path(run_dir) / "metrics.jsonl"
+    if metrics.is_file():
+        storage.upload(metrics, "metrics.jsonl")
+    storage.write_text(f"{name}/{STORAGE_COMPLETE}", checkpoint.name)
+    kept = {p.name for p in list_checkpoints(run_dir)}
+    for folder in storage.folders("checkpoints"):
+        if _NAME.match(folder) and folder not in kept:
+            storage.delete(f"checkpoints/{folder}")
+
+
+def fetch_latest_checkpoint(run_dir: Path, storage: Storage) -> Path | None:
+    """The newest complete checkpoint in the run's storage folder, fetched into the run folder (with the KL
+    reference and the metrics history, where the run folder lacks them), for a run resumed on a node that does not
+    have it; None when storage holds none."""
+    complete = [n for n in storage.folders("checkpoints")
+                if _NAME.match(n) and storage.exists(f"checkpoints/{n}/{STORAGE_COMPLETE}")]
+    if not complete:
+        return None
+    run_dir = Path(run_dir)
+    target = run_dir / "checkpoints" / complete[-1]
+    if not target.exists():
+        storage.download(f"checkpoints/{complete[-1]}", target)
+        (target / STORAGE_COMPLETE).unlink(missing_ok=True)
+    if storage.exists(f"reference/{STORAGE_COMPLETE}") and not (run_dir / "reference").exists():
+        storage.download("reference", run_dir / "reference")
+        (run_dir / "reference" / STORAGE_COMPLETE).unlink(missing_ok=True)
+    if storage.exists("metrics.jsonl") and not (run_dir / "metrics.jsonl").exists():
+        storage.download("metrics.jsonl", run_dir / "metrics.jsonl")
+    return target
 
 
 def reference_model_of(checkpoint: Path, state: dict[str, Any]) -> str:

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 import envs
 import memory
+from actors.storage import Storage, check_folder, is_uri
 from algorithms import ESTIMATORS
 from algorithms.losses import KL_KINDS, LOSS_AGG_MODES, RATIO_MODES
 
@@ -58,7 +59,8 @@ class LoraConfig(_Section):
 class PolicyConfig(_Section):
     """What one policy replica loads and how it batches. Sizes are per replica."""
 
-    model: str = Field("default", description='"default", "default:tiny", an HF folder, a checkpoint or a hub id')
+    model: str = Field("default", description='"default", "default:tiny", an HF folder, a checkpoint, a hub id or '
+                                              "a folder in storage (s3://..., gs://...: fetched once per node)")
     engine: EngineName = Field("auto", description=(
         "vllm: vLLM's synchronous engine in the replica, one batch at a time (fast start); vllm-async: vLLM's async "
         "engine in a child process, continuous batching across callers; hf: transformers; auto: vllm when it "
@@ -82,6 +84,14 @@ class PolicyConfig(_Section):
                                                       "send only the adapter (README, LoRA)")
     adapter: str | None = Field(None, description="serve `model` plus this adapter folder (a checkpoint's "
                                                   "adapter/, or any peft LoRA folder)")
+
+    @field_validator("model", "adapter")
+    @classmethod
+    def _storage_folder_exists(cls, name: str | None, info) -> str | None:
+        # a folder in storage (s3://...) is checked before any actor starts: reachable, a folder, the right files
+        if name is not None and is_uri(name):
+            check_folder(name, "config.json" if info.field_name == "model" else "adapter_config.json")
+        return name
 
 
 class RetrieverConfig(_Section):
@@ -320,7 +330,19 @@ class WeightSyncConfig(_Section):
 class CheckpointConfig(_Section):
     every: int = Field(10, ge=0, description="iterations between checkpoints (0 = only at the end)")
     keep: int = Field(3, ge=1)
-    resume: str = Field("auto", description='"auto" (latest in the run folder), "never", or a checkpoint folder')
+    resume: str = Field("auto", description='"auto" (latest in the run folder, else in storage), "never", or a '
+                                            "checkpoint folder")
+    storage: str | None = Field(None, description="a URI (s3://bucket/runs, gs://...) or a path where every "
+                                                  "checkpoint is also copied, under <storage>/<run_name>, with the "
+                                                  "metrics; a run whose folder lacks its checkpoints resumes from "
+                                                  "there (README, Scaling out)")
+
+    def run_storage(self, run_name: str) -> Storage | None:
+        """The run's folder in storage (None without `storage`)."""
+        if self.storage is None:
+            return None
+        base, query = self.storage.partition("?")[::2]
+        return Storage(f"{base.rstrip('/')}/{run_name}" + (f"?{query}" if query else ""))
 
 
 class LoggingConfig(_Section):
@@ -521,7 +543,7 @@ def check_resume_config(checkpoint_config: dict[str, Any], config: dict[str, Any
     return changed
 
 
-def format_config_error(e: ValidationError, prefix: str = "args") -> str:
+def format_config_error(e: ValidationError, prefix: str = "args", what: str = "training config") -> str:
     """One line per problem: the field's dotted path and what is wrong or allowed."""
     lines = []
     for err in e.errors():
@@ -530,7 +552,7 @@ def format_config_error(e: ValidationError, prefix: str = "args") -> str:
         if err["type"] == "extra_forbidden":
             msg = "unknown field"
         lines.append(f"  {path}: {msg}")
-    return "invalid training config:\n" + "\n".join(lines)
+    return f"invalid {what}:\n" + "\n".join(lines)
 
 
 def load_train_config(args: dict[str, Any] | None) -> TrainConfig:
@@ -538,3 +560,14 @@ def load_train_config(args: dict[str, Any] | None) -> TrainConfig:
         return TrainConfig.model_validate(args or {})
     except ValidationError as e:
         raise ValueError(format_config_error(e)) from None
+
+
+def run_storage(cfg: TrainConfig) -> Storage | None:
+    """The run's folder in `checkpoint.storage`, checked writable before any actor starts."""
+    try:
+        storage = cfg.checkpoint.run_storage(cfg.run_name)
+        if storage is not None:
+            storage.check_writable()
+    except ValueError as e:
+        raise ValueError(f"invalid training config:\n  args.checkpoint.storage: {e}") from None
+    return storage

@@ -30,6 +30,7 @@ from actors.checkpoint import (
     latest_checkpoint,
     load_model_weights,
     load_state,
+    mirror_checkpoint,
     reference_model_of,
     save_checkpoint,
     save_reference,
@@ -113,6 +114,8 @@ class Controller:
         self.restarts = 0
         self.replica_sync_failures = 0
         self.checkpoint_failures = 0
+        self.storage = self.cfg.checkpoint.run_storage(self.cfg.run_name)
+        self.storage_failures = 0
         self.drained_rollouts = 0
         self._revivals: dict[int, asyncio.Lock] = {}
         self._rollout_spans: list[list[float | None]] = []  # [start, end or None while running]
@@ -569,7 +572,8 @@ class Controller:
                         "faults/env_errors": int(total("env_errors")),
                         "faults/stale_rows": int(total("stale_rows")),
                         "faults/replica_sync_failures": self.replica_sync_failures,
-                        "faults/checkpoint_failures": self.checkpoint_failures})
+                        "faults/checkpoint_failures": self.checkpoint_failures,
+                        "faults/storage_failures": self.storage_failures})
         return out
 
     async def _validate(self, val_seeds: np.ndarray, tag: str = "val", log: bool = True) -> dict[str, Any]:
@@ -631,7 +635,10 @@ class Controller:
         logged and counted, the previous checkpoint stays intact, and the run goes on."""
         prev = self.phase
         try:
-            return await self._write_checkpoint()
+            path = await self._write_checkpoint()
+            if self.storage is not None:
+                await self._mirror(path)
+            return path
         except OSError as e:
             self.checkpoint_failures += 1
             logger.error("checkpoint of iteration %d failed (%s); the last one stays %s", self.iteration, e,
@@ -639,6 +646,17 @@ class Controller:
             return Path(self.last_checkpoint) if self.last_checkpoint else None
         finally:
             self.phase = prev
+
+    async def _mirror(self, checkpoint: Path) -> None:
+        """The checkpoint's copy in storage; storage that refuses it (unreachable, full) is logged and counted, the
+        checkpoint stays in the run folder, and the run goes on."""
+        self.phase = "checkpointing"
+        try:
+            await asyncio.to_thread(mirror_checkpoint, self.run_dir, checkpoint, self.storage)
+        except OSError as e:
+            self.storage_failures += 1
+            logger.error("copying %s to %r failed (%s); it stays in %s", checkpoint.name, self.storage,
+                         str(e).splitlines()[0][:300], self.run_dir)
 
     async def _write_checkpoint(self) -> Path:
         self.phase = "checkpointing"

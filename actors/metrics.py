@@ -46,6 +46,7 @@ DASHBOARD_METRICS = {
     "faults/stale_rows": ("rows from a replica on other weights (their groups are dropped)", "faults"),
     "faults/trainer_restarts": ("Train job restarts from the last checkpoint", "faults"),
     "faults/checkpoint_failures": ("checkpoints the disk refused (the last one stays)", "faults"),
+    "faults/storage_failures": ("checkpoints checkpoint.storage refused (they stay in the run folder)", "faults"),
 }
 
 

@@ -31,7 +31,7 @@ from typing import Annotated, Any, Literal
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -39,10 +39,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import envs
 import memory
 from actors.checkpoint import read_agent_card
-from actors.config import AgentCard, PolicyConfig, RetrieverConfig
+from actors.config import AgentCard, PolicyConfig, RetrieverConfig, format_config_error
 from actors.episodes import Decision, PromptTooLong, StepRecord, Turn, play, policy_decider
 from actors.prompting import encode_prompt
 from actors.retrieval import attach_retriever
+from actors.storage import is_uri
 from app.default_model import resolve_model
 from app.policy import Policy
 from app.retriever import Retriever
@@ -344,14 +345,15 @@ class AgentAPI:
         # A folder is named by its last part; "default" or a hub id by itself.
         given = self.config.policy.model
         self.model_name = self.config.served_model_name or (
-            os.path.basename(os.path.normpath(given)) if os.path.isdir(given) else given)
+            given.partition("?")[0].rstrip("/").rsplit("/", 1)[-1] if is_uri(given)
+            else os.path.basename(os.path.normpath(given)) if os.path.isdir(given) else given)
         self.token = self.config.auth_token or os.environ.get(API_KEY_ENV) or None
         self.sessions: OrderedDict[str, _Session] = OrderedDict()
         self.created = int(time.time())
         self._tokenizer = None
         # What the served folder is as an agent (None for a plain HF folder or a hub id); a LoRA checkpoint's
         # adapter folder carries the card when the base model is served with it.
-        carded = self.config.policy.adapter or self.model_path
+        carded = resolve_model(self.config.policy.adapter) if self.config.policy.adapter else self.model_path
         self.card: AgentCard | None = read_agent_card(carded) if os.path.isdir(carded) else None
         if self.card is None:
             memory.make(self.config.memory or "simple", **self.config.memory_kwargs)  # a bad name fails at start-up
@@ -657,7 +659,10 @@ def build_agent_app(args: dict[str, Any]) -> serve.Application:
     args = dict(args or {})
     if "model" in args:
         args["policy"] = {**(args.get("policy") or {}), "model": args.pop("model")}
-    config = AgentConfig.model_validate(args)
+    try:
+        config = AgentConfig.model_validate(args)
+    except ValidationError as e:  # one line per field, without the values (a storage URI may carry credentials)
+        raise ValueError(format_config_error(e, what="agent config")) from None
     policy = Policy.bind(config.policy.model_dump())
     path = resolve_model(config.policy.model)
     card = read_agent_card(path) if os.path.isdir(path) else None

@@ -13,6 +13,8 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from actors.storage import fetch_folder, is_uri
+
 DEFAULT_NAME = "default"
 
 # Roles as single special tokens; a reply ends with <|end|>, which is the EOS the engines stop on.
@@ -147,12 +149,15 @@ def build_default_model(spec: DefaultModelSpec = DefaultModelSpec(), cache_dir: 
 
 def resolve_model(name: str, cache_dir: Path | None = None) -> str:
     """"default" or "default:PRESET" -> the built folder; a local folder (a checkpoint's model/, a `raygent sft`
-    output) -> its absolute path, so Ray workers with another working directory find it; a hub id as is."""
+    output) -> its absolute path, so Ray workers with another working directory find it; a folder in storage (a
+    URI) -> this node's cached copy of it (actors/storage.py); a hub id as is."""
     if name == DEFAULT_NAME or name.startswith(DEFAULT_NAME + ":"):
         preset = name.partition(":")[2]
         if preset not in PRESETS:
             allowed = sorted(DEFAULT_NAME + (":" + p if p else "") for p in PRESETS)
             raise ValueError(f"unknown default-model preset {preset!r}; allowed: {allowed}")
         return str(build_default_model(PRESETS[preset], cache_dir))
+    if is_uri(name):  # a folder in storage: this node's copy
+        return str(fetch_folder(name))
     local = Path(name).expanduser()
     return str(local.resolve()) if local.is_dir() else name

@@ -25,7 +25,7 @@ from typing import Any
 
 import yaml
 
-from actors.config import load_train_config
+from actors.config import load_train_config, run_storage
 from app.sft import read_config_file
 
 FINAL = ("done", "stopped", "failed")
@@ -69,6 +69,7 @@ def train(config: str | Path, out=print) -> int:
     try:
         args = read_config_file(config)
         cfg = load_train_config(args)
+        run_storage(cfg)
     except ValueError as e:
         out(f"raygent train: {e}")
         return 2

@@ -82,7 +82,8 @@ class Policy:
         self.engine = make_engine(
             self.config.engine, self.model_path, dtype=self.config.dtype, max_model_len=self.config.max_model_len,
             kv_cache_bytes=self.config.kv_cache_bytes, gpu_memory_utilization=self.config.gpu_memory_utilization,
-            seed=self.config.seed, lora=self.config.lora, adapter=self.config.adapter,
+            seed=self.config.seed, lora=self.config.lora,
+            adapter=resolve_model(self.config.adapter) if self.config.adapter else None,
         )
         self._adapter_dir: str | None = None  # this replica's copy of the latest trained adapter (LoRA runs)
         self.tokenizer = self.engine.tokenizer

@@ -24,8 +24,8 @@ from fastapi import FastAPI
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from actors.checkpoint import latest_checkpoint, load_state
-from actors.config import TrainConfig, check_resume_config, load_train_config
+from actors.checkpoint import fetch_latest_checkpoint, latest_checkpoint, load_state
+from actors.config import TrainConfig, check_resume_config, load_train_config, run_storage
 from actors.controller import Controller
 from actors.lora import check_targets
 from app.default_model import resolve_model
@@ -145,9 +145,15 @@ def build_train_app(args: dict[str, Any]) -> serve.Application:
     before any actor starts."""
     cfg = load_train_config(args)
     check_gpus(cfg)
+    storage = run_storage(cfg)
     resume_from = None
     if cfg.checkpoint.resume == "auto":
         latest = latest_checkpoint(cfg.run_dir)
+        if latest is None and storage is not None:  # a fresh node (or pod): the run's checkpoints are in storage
+            latest = fetch_latest_checkpoint(cfg.run_dir, storage)
+            if latest is not None:
+                # the `serve run` console: this process logs at the config's (quiet) Serve level
+                print(f"raygent: fetched {latest.name} from {storage!r} to resume", flush=True)
         resume_from = str(latest) if latest else None
     elif cfg.checkpoint.resume != "never":
         resume_from = cfg.checkpoint.resume

@@ -2,7 +2,8 @@
 
 1. Env steps/s through the full system (env-group actors + Policy replicas on Ray Serve) vs a single-process loop
    with the same engine and the same envs (one batched `generate` per step over every live env). Scaling with 1, 2
-   and 4 env-group actors and 1 and 2 replicas. Goal: the actor system reaches >= 0.8x the single process.
+   and 4 env-group actors and 1 and 2 replicas, each the median of 3 rounds after a warm-up round (with their sample
+   std and every round's ratio). Goal: the actor system reaches >= 0.8x the single process.
 2. Prompt tokens per step against the step index: step-independent memory (what training uses) vs concatenating the
    full history, on a long episode (no Ray).
 
@@ -74,7 +75,7 @@ def single_process(cfg: TrainConfig, model_path: str, n_groups: int, repeats: in
         steps = sum(len(e.steps) for e in episodes(index))
         if index:
             rates.append(steps / (time.perf_counter() - started))
-    return {"env_steps_per_s": statistics.median(rates), "runs": rates}
+    return {"env_steps_per_s": statistics.median(rates), "std": _std(rates), "runs": rates}
 
 
 def actor_system(ray, cfg: TrainConfig, model_path: str, n_groups: int, actors: int, replicas: int, repeats: int,
@@ -126,7 +127,7 @@ def actor_system(ray, cfg: TrainConfig, model_path: str, n_groups: int, actors: 
     later, same = (sum(m[key] for m in parts) for key in ("later_steps", "same_replica_steps"))
     queries, hits = after["queries"] - before["queries"], after["hits"] - before["hits"]
     return {"actors": actors, "replicas": replicas, "route_by_group": route_by_group,
-            "env_steps_per_s": statistics.median(rates), "runs": rates,
+            "env_steps_per_s": statistics.median(rates), "std": _std(rates), "runs": rates,
             "prefix_cache_queries": queries, "prefix_cache_hits": hits,
             "prefix_cache_hit_rate": hits / queries if queries else None,
             "same_replica_share": same / max(later, 1)}
@@ -182,6 +183,11 @@ def plot_growth(growth: dict[str, list[int]], path: Path) -> None:
     plt.close(fig)
 
 
+def _std(values: list[float]) -> float | None:
+    """Sample std of the repeats (None for one)."""
+    return statistics.stdev(values) if len(values) > 1 else None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", type=Path, default=REPO_ROOT / "serve_configs" / "train.yaml")
@@ -214,6 +220,7 @@ def main() -> None:
         for actors, replicas in layouts:
             r = actor_system(ray, cfg, model_path, n_groups, actors, replicas, repeats)
             r["ratio_to_single_process"] = r["env_steps_per_s"] / single["env_steps_per_s"]
+            r["ratio_runs"] = [rate / single["env_steps_per_s"] for rate in r["runs"]]
             systems.append(r)
             print(f"[rollout] {actors} env actors x {replicas} replicas: {r['env_steps_per_s']:.0f} env steps/s "
                   f"-> {r['ratio_to_single_process']:.2f}x single process (goal >= 0.8)", flush=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -73,6 +74,36 @@ def default_model() -> str:
     from app.default_model import resolve_model
 
     return resolve_model("default")
+
+
+@pytest.fixture(scope="session")
+def s3_bucket() -> str:
+    """A bucket on a local S3-compatible server (moto's server mode, stopped by its PID): the URI prefix of a
+    storage folder, credentials and endpoint in the URI, so Ray's workers need no environment of their own."""
+    import subprocess
+
+    import pyarrow.fs
+
+    port = free_port()
+    server = subprocess.Popen([str(Path(sys.executable).with_name("moto_server")), "-H", "127.0.0.1", "-p", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or server.poll() is not None:
+                    raise RuntimeError("moto_server did not start") from None
+                time.sleep(0.2)
+        query = f"?endpoint_override=127.0.0.1:{port}&scheme=http"
+        fs, _ = pyarrow.fs.FileSystem.from_uri(f"s3://test:test@raygent/{query}&allow_bucket_creation=true")
+        fs.create_dir("raygent")
+        yield f"s3://test:test@raygent/{{key}}{query}"
+    finally:
+        server.kill()
+        server.wait(timeout=30)
 
 
 # Modules whose tests start `serve run` as a subprocess, in the order they run, after every other test: when

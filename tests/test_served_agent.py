@@ -116,3 +116,34 @@ def test_heldout_score_matches_the_runs_own_validation(served, checkpoint):
     # Different engines (the warm start validated with transformers, the endpoint serves vLLM) draw different
     # samples: the two rates differ by sampling noise only, sd ~ sqrt(2 p (1 - p) / 64) <= 0.09.
     assert abs(served_success - own) <= 0.25, (own, served_success)
+
+
+def test_a_checkpoint_in_storage_serves_as_the_same_agent(served, checkpoint, s3_bucket):
+    """The trained folder uploaded to S3-compatible storage and served by its URI alone: every replica fetches it
+    into its node's cache, the card comes with it, and an episode (env seed, sampling seed) is the one the local
+    folder's endpoint plays, token for token."""
+    from ray import serve
+
+    from actors.storage import Storage
+    from app.agent import build_agent_app
+
+    url, _ = served
+    folder, _, _ = checkpoint
+    uri = s3_bucket.format(key="runs/served/checkpoints/iter_000001/model")
+    Storage(uri).upload(folder, "")
+    serve.run(build_agent_app({"policy": {"model": uri}}), name="from-storage", route_prefix="/from-storage")
+    try:
+        agent = httpx.get(f"{url.rsplit('/', 1)[0]}/from-storage/v1/agent", timeout=30).json()
+        assert agent["allowed_envs"] == ["sokoban"] and agent["card"]["memory"]["name"] == "none"
+        episodes = []
+        for route in (url, f"{url.rsplit('/', 1)[0]}/from-storage"):
+            body = httpx.post(f"{route}/v1/episodes", json={"seed": 3, "sampling_seed": 11, "return_tokens": True},
+                              timeout=120)
+            assert body.status_code == 200, body.text
+            episodes.append(body.json()["trajectory"])
+        assert [s["response_token_ids"] for s in episodes[0]] == [s["response_token_ids"] for s in episodes[1]]
+        assert [s["prompt_token_ids"] for s in episodes[0]] == [s["prompt_token_ids"] for s in episodes[1]]
+        models = httpx.get(f"{url.rsplit('/', 1)[0]}/from-storage/v1/models", timeout=30).json()
+        assert [m["id"] for m in models["data"]] == ["model"]
+    finally:
+        serve.delete("from-storage")

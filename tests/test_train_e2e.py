@@ -12,6 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 
 from actors.checkpoint import LAYOUT_VERSION
 from actors.metrics import prometheus_name
@@ -411,3 +412,65 @@ def test_a_lora_run_sends_adapters_checkpoints_them_resumes_and_serves_base_plus
     finally:
         serve.delete("agent-merged")
         serve.delete("agent-adapter")
+
+
+def test_checkpoints_go_to_storage_and_a_run_resumes_from_there_on_an_empty_disk(ray_cluster, serve_url, tmp_path,
+                                                                                 s3_bucket):
+    """`checkpoint.storage` on an S3-compatible server: each checkpoint is copied there (files, then its marker;
+    the KL reference and the metrics with it), rotation applies there too; then the run folder is deleted (a new
+    node or pod) and the same config resumes from storage: the next iteration, not the first, with the reference
+    and the metrics history it had."""
+    import shutil
+
+    from ray import serve
+
+    from actors.checkpoint import STORAGE_COMPLETE
+    from actors.storage import Storage
+
+    address = ray_cluster.get_runtime_context().gcs_address
+    port = int(serve_url.rsplit(":", 1)[1])
+    serve.delete("train")
+    storage_uri = s3_bucket.format(key="runs")
+    runs = tmp_path / "runs" / "e2e-tiny"
+    for iterations in (2, 3):
+        config = training_config(REPO / "serve_configs" / "test_tiny.yaml", tmp_path / f"config{iterations}.yaml",
+                                 port, tmp_path / "runs", iterations=iterations,
+                                 checkpoint={"every": 1, "keep": 1, "resume": "auto", "storage": storage_uri})
+        run = ServeRun(config, tmp_path / f"run{iterations}.log", address)
+        try:
+            status = wait_for(lambda: (s := get_status(serve_url))["done"] and s, 600, f"run {iterations}", run)
+        finally:
+            run.stop()
+        serve.delete("train")
+        assert status["phase"] == "done" and status["iteration"] == iterations, status
+        stored = Storage(s3_bucket.format(key="runs/e2e-tiny"))
+        # keep: 1 in storage as in the run folder: the resumed run keeps the checkpoint it resumed from (pinned)
+        expected = ["iter_000002"] if iterations == 2 else ["iter_000002", "iter_000003"]
+        assert stored.folders("checkpoints") == expected, "rotation did not apply in storage"
+        for f in (STORAGE_COMPLETE, "state.json", "model/model.safetensors", "model/raygent_agent.json",
+                  "train_state/.metadata"):
+            assert stored.exists(f"checkpoints/iter_{iterations:06d}/{f}"), f
+        assert stored.exists("reference/model.safetensors") and stored.exists("metrics.jsonl")
+        if iterations == 2:  # a new node: nothing of the run on its disk
+            shutil.rmtree(runs)
+        else:
+            log = run.log.read_text()
+            assert "fetched iter_000002" in log and "resuming" in log, log[-3000:]
+
+    history = [json.loads(line) for line in (runs / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert [r["iteration"] for r in history if r.get("phase") == "train"] == [1, 2, 3]
+    assert all(r["faults/storage_failures"] == 0 for r in history if r.get("phase") == "train")
+    state = json.loads((runs / "checkpoints" / "iter_000003" / "state.json").read_text())
+    assert state["reference_model"] == "reference" and (runs / "reference" / "model.safetensors").exists()
+
+
+def test_unwritable_storage_fails_before_any_actor_starts(s3_bucket):
+    from app.train import build_train_app
+
+    args = yaml.safe_load((REPO / "serve_configs" / "test_tiny.yaml").read_text())["applications"][0]["args"]
+    missing_bucket = s3_bucket.format(key="x").replace("@raygent/", "@no-such-bucket/")
+    with pytest.raises(ValueError) as e:
+        build_train_app({**args, "checkpoint": {"storage": missing_bucket}})
+    message = str(e.value)
+    assert "args.checkpoint.storage: s3://no-such-bucket/" in message and "not writable" in message, message
+    assert "test:test" not in message
