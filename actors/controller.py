@@ -382,12 +382,15 @@ class Controller:
                 last = self.iteration == cfg.iterations
                 if cfg.validation.every and (last or self.iteration % cfg.validation.every == 0):
                     record.update(await self._validate(val_seeds, log=False))
-                if last or self._stop or (cfg.checkpoint.every and self.iteration % cfg.checkpoint.every == 0):
+                checkpointed = last or self._stop or (cfg.checkpoint.every and self.iteration % cfg.checkpoint.every == 0)
+                if checkpointed:
                     t0 = time.perf_counter()
                     await self._checkpoint()
                     record["time/checkpoint_s"] = time.perf_counter() - t0
                 await self._answer_checkpoint_requests()
                 self._log(record)
+                if checkpointed and self.storage is not None:  # the history in storage includes this iteration
+                    await self._mirror_metrics()
                 self._print_line(record)
         finally:
             await self._drain(rollouts)
@@ -657,6 +660,14 @@ class Controller:
             self.storage_failures += 1
             logger.error("copying %s to %r failed (%s); it stays in %s", checkpoint.name, self.storage,
                          str(e).splitlines()[0][:300], self.run_dir)
+
+    async def _mirror_metrics(self) -> None:
+        metrics = self.run_dir / "metrics.jsonl"
+        try:
+            await asyncio.to_thread(self.storage.upload, metrics, "metrics.jsonl")
+        except OSError as e:
+            self.storage_failures += 1
+            logger.error("copying metrics.jsonl to %r failed (%s)", self.storage, str(e).splitlines()[0][:300])
 
     async def _write_checkpoint(self) -> Path:
         self.phase = "checkpointing"
