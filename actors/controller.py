@@ -16,6 +16,7 @@ import json
 import logging
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -390,7 +391,8 @@ class Controller:
                 await self._answer_checkpoint_requests()
                 self._log(record)
                 if checkpointed and self.storage is not None:  # the history in storage includes this iteration
-                    await self._mirror_metrics()
+                    await self._to_storage("metrics.jsonl", self.storage.upload,
+                                           self.run_dir / "metrics.jsonl", "metrics.jsonl")
                 self._print_line(record)
         finally:
             await self._drain(rollouts)
@@ -640,7 +642,7 @@ class Controller:
         try:
             path = await self._write_checkpoint()
             if self.storage is not None:
-                await self._mirror(path)
+                await self._to_storage(path.name, mirror_checkpoint, self.run_dir, path, self.storage)
             return path
         except OSError as e:
             self.checkpoint_failures += 1
@@ -650,24 +652,15 @@ class Controller:
         finally:
             self.phase = prev
 
-    async def _mirror(self, checkpoint: Path) -> None:
-        """The checkpoint's copy in storage; storage that refuses it (unreachable, full) is logged and counted, the
-        checkpoint stays in the run folder, and the run goes on."""
-        self.phase = "checkpointing"
+    async def _to_storage(self, what: str, copy: Callable[..., None], *args: Any) -> None:
+        """A copy to `checkpoint.storage` (a checkpoint, the metrics); storage that refuses it (unreachable, full) is
+        logged and counted, the file stays in the run folder, and the run goes on."""
         try:
-            await asyncio.to_thread(mirror_checkpoint, self.run_dir, checkpoint, self.storage)
+            await asyncio.to_thread(copy, *args)
         except OSError as e:
             self.storage_failures += 1
-            logger.error("copying %s to %r failed (%s); it stays in %s", checkpoint.name, self.storage,
+            logger.error("copying %s to %r failed (%s); it stays in %s", what, self.storage,
                          str(e).splitlines()[0][:300], self.run_dir)
-
-    async def _mirror_metrics(self) -> None:
-        metrics = self.run_dir / "metrics.jsonl"
-        try:
-            await asyncio.to_thread(self.storage.upload, metrics, "metrics.jsonl")
-        except OSError as e:
-            self.storage_failures += 1
-            logger.error("copying metrics.jsonl to %r failed (%s)", self.storage, str(e).splitlines()[0][:300])
 
     async def _write_checkpoint(self) -> Path:
         self.phase = "checkpointing"
