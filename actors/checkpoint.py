@@ -29,11 +29,14 @@ import os
 import re
 import shutil
 import tempfile
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+from actors.storage import STORAGE_COMPLETE
 
 if TYPE_CHECKING:
     import torch
@@ -250,7 +253,6 @@ def save_reference(run_dir: Path, weights: Mapping[str, Any], template_dir: Path
     return final
 
 
-STORAGE_COMPLETE = ".complete"  # written last into a checkpoint's copy in storage: one without it is never used
 
 
 def mirror_checkpoint(run_dir: Path, checkpoint: Path, storage: Storage) -> None:
@@ -260,6 +262,20 @@ def mirror_checkpoint(run_dir: Path, checkpoint: Path, storage: Storage) -> None
     name = f"checkpoints/{checkpoint.name}"
     storage.delete(name)  # a copy of an earlier, interrupted attempt
     storage.upload(checkpoint, name)
+    mirror_reference(run_dir, storage)
+    metrics = Path(run_dir) / "metrics.jsonl"
+    if metrics.is_file():
+        storage.upload(metrics, "metrics.jsonl")
+    # the marker's text tells this copy from an earlier one of the same iteration (nodes cache fetched folders by it)
+    storage.write_text(f"{name}/{STORAGE_COMPLETE}", f"{checkpoint.name} {time.time_ns()}")
+    kept = {p.name for p in list_checkpoints(run_dir)}
+    for folder in storage.folders("checkpoints"):
+        if _NAME.match(folder) and folder not in kept:
+            storage.delete(f"checkpoints/{folder}")
+
+
+def mirror_reference(run_dir: Path, storage: Storage) -> None:
+    """The run's KL reference folder (written after a warm start), copied to storage once per version of it."""
     reference = Path(run_dir) / "reference"
     if reference.is_dir():
         stamp = str(reference.stat().st_mtime_ns)  # a warm start run again writes a new reference folder
@@ -268,28 +284,43 @@ def mirror_checkpoint(run_dir: Path, checkpoint: Path, storage: Storage) -> None
             storage.delete("reference")
             storage.upload(reference, "reference")
             storage.write_text(marker, stamp)
-    metrics = Path(run_dir) / "metrics.jsonl"
-    if metrics.is_file():
-        storage.upload(metrics, "metrics.jsonl")
-    storage.write_text(f"{name}/{STORAGE_COMPLETE}", checkpoint.name)
-    kept = {p.name for p in list_checkpoints(run_dir)}
-    for folder in storage.folders("checkpoints"):
-        if _NAME.match(folder) and folder not in kept:
-            storage.delete(f"checkpoints/{folder}")
 
 
-def fetch_latest_checkpoint(run_dir: Path, storage: Storage) -> Path | None:
-    """The newest complete checkpoint in the run's storage folder, fetched into the run folder (with the KL
-    reference and the metrics history, where the run folder lacks them), for a run resumed on a node that does not
-    have it; None when storage holds none."""
-    complete = [n for n in storage.folders("checkpoints")
-                if _NAME.match(n) and storage.exists(f"checkpoints/{n}/{STORAGE_COMPLETE}")]
-    if not complete:
-        return None
+def publish_start_model(model_dir: str | Path, storage: Storage) -> str:
+    """A local model folder a run starts from, copied into the run's storage once per version of it (its files'
+    names, sizes and mtimes): the URI every node fetches it from."""
+    from actors.storage import folder_stamp
+
+    rel = f"start_model/{folder_stamp(Path(model_dir))}"
+    if not storage.exists(f"{rel}/{STORAGE_COMPLETE}"):
+        storage.delete(rel)
+        storage.upload(model_dir, rel)
+        storage.write_text(f"{rel}/{STORAGE_COMPLETE}", rel)
+    return storage.uri_of(rel)
+
+
+def in_storage(folder: str, run_dir: Path, storage: Storage | None) -> str:
+    """How a folder of the run folder (the reference, a checkpoint's model/ or train_state/) is handed to a process
+    that may run on another node: its URI in storage, where `mirror_checkpoint` copied it. Anything else (a URI, a
+    hub id, a folder outside the run folder) and every folder of a run without storage stay as they are."""
+    if storage is None or not folder:
+        return folder
+    try:
+        rel = Path(folder).resolve().relative_to(Path(run_dir).resolve())
+    except ValueError:
+        return folder
+    return storage.uri_of(rel.as_posix())
+
+
+def fetch_checkpoint(run_dir: Path, name: str, storage: Storage) -> Path:
+    """Checkpoint `name` (iter_N) from the run's storage folder into the run folder, unless it is there already
+    (with the KL reference and the metrics history where the run folder lacks them): its local folder."""
     run_dir = Path(run_dir)
-    target = run_dir / "checkpoints" / complete[-1]
+    target = run_dir / "checkpoints" / name
     if not target.exists():
-        storage.download(f"checkpoints/{complete[-1]}", target)
+        if not storage.exists(f"checkpoints/{name}/{STORAGE_COMPLETE}"):
+            raise FileNotFoundError(f"{name}: not in this node's run folder {run_dir} nor complete in {storage!r}")
+        storage.download(f"checkpoints/{name}", target)
         (target / STORAGE_COMPLETE).unlink(missing_ok=True)
     if storage.exists(f"reference/{STORAGE_COMPLETE}") and not (run_dir / "reference").exists():
         storage.download("reference", run_dir / "reference")
@@ -297,6 +328,20 @@ def fetch_latest_checkpoint(run_dir: Path, storage: Storage) -> Path | None:
     if storage.exists("metrics.jsonl") and not (run_dir / "metrics.jsonl").exists():
         storage.download("metrics.jsonl", run_dir / "metrics.jsonl")
     return target
+
+
+def fetch_latest_checkpoint(run_dir: Path, storage: Storage) -> Path | None:
+    """The newest complete checkpoint in the run's storage folder, fetched into the run folder, for a run resumed
+    on a node that does not have it; None when storage holds none."""
+    name = latest_in_storage(storage)
+    return fetch_checkpoint(run_dir, name, storage) if name else None
+
+
+def latest_in_storage(storage: Storage) -> str | None:
+    """The name (iter_N) of the newest complete checkpoint in the run's storage folder, None if it holds none."""
+    complete = [n for n in storage.folders("checkpoints")
+                if _NAME.match(n) and storage.exists(f"checkpoints/{n}/{STORAGE_COMPLETE}")]
+    return complete[-1] if complete else None
 
 
 def reference_model_of(checkpoint: Path, state: dict[str, Any]) -> str:

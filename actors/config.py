@@ -345,6 +345,36 @@ class CheckpointConfig(_Section):
         return Storage(f"{base.rstrip('/')}/{run_name}" + (f"?{query}" if query else ""))
 
 
+class PlacementConfig(_Section):
+    """Where the run's actors go, by Ray resources: a node started with `--resources '{"trainer_node": 4}'` takes
+    the Train workers that ask for `trainer_node`. The Policy replicas are placed by their Serve deployment
+    (`ray_actor_options: {resources, num_gpus}`, `max_replicas_per_node`). Each set is checked against the
+    cluster's nodes before any actor starts (README, Scaling out)."""
+
+    controller: dict[str, float] = Field(default_factory=dict, description="resources of the controller actor "
+                                                                          "(it keeps the run folder)")
+    env_actors: dict[str, float] = Field(default_factory=dict, description="resources of each env-group actor, "
+                                                                          "beside rollout.env_actor_cpus")
+    trainer: dict[str, float] = Field(default_factory=dict, description="resources of each Train worker, beside "
+                                                                       "trainer.cpus_per_worker (or its GPU)")
+    trainer_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK", description="the Train workers' placement group: all are gang-scheduled at once; STRICT_PACK puts "
+                            "them on one node")
+    check_nodes: bool = Field(True, description="fail at start when no node has a set's resources; false for an "
+                                                "autoscaling cluster whose nodes start on demand")
+
+    @field_validator("controller", "env_actors", "trainer")
+    @classmethod
+    def _amounts(cls, resources: dict[str, float]) -> dict[str, float]:
+        for name, amount in resources.items():
+            if amount <= 0:
+                raise ValueError(f"{name}: {amount} must be > 0")
+            if name in ("CPU", "GPU", "memory"):
+                raise ValueError(f"{name}: set CPUs and GPUs with rollout.env_actor_cpus, trainer.cpus_per_worker, "
+                                 "trainer.use_gpu; placement names custom resources")
+        return resources
+
+
 class LoggingConfig(_Section):
     framework_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
         "WARNING", description="Ray Train / Data, transformers and vLLM logs in the controller, env-group actors and "
@@ -374,6 +404,7 @@ class TrainConfig(_Section):
     checkpoint: CheckpointConfig = CheckpointConfig()
     weight_sync: WeightSyncConfig = WeightSyncConfig()
     logging: LoggingConfig = LoggingConfig()
+    placement: PlacementConfig = PlacementConfig()
     retriever: RetrieverConfig | None = Field(None, description="a retrieval deployment for search envs whose "
                                                                 "env.kwargs.retriever is 'serve'")
 
@@ -516,6 +547,7 @@ RESUMABLE_CHANGES = (
     "trainer.activation_checkpointing", "optim.micro_batch_size", "rollout.num_env_actors", "rollout.env_actor_cpus",
     "rollout.requests_per_step", "rollout.route_by_group", "policy.engine", "policy.max_batch_size", "policy.batch_wait_timeout_s",
     "policy.kv_cache_bytes", "policy.gpu_memory_utilization", "policy.log_level", "output_dir", "weight_sync",
+    "placement",
 )
 
 

@@ -28,6 +28,8 @@ from actors.batch import build_batch, prepare_block_async, split_for_workers
 from actors.checkpoint import (
     adapter_of,
     base_model_weights,
+    fetch_checkpoint,
+    in_storage,
     latest_checkpoint,
     load_model_weights,
     load_state,
@@ -43,6 +45,7 @@ from actors.env_group import EnvGroupActor, read_rollout
 from actors.evaluation import summarize
 from actors.lora import merge, read_adapter
 from actors.metrics import MetricsSink, quiet_frameworks
+from actors.storage import local_folder
 from actors.trainer import TrainerFailure, TrainerGroup
 from actors.weights import Weights, pack_weights
 from algorithms import step_group_stats
@@ -210,6 +213,10 @@ class Controller:
         # The KL reference is the policy RL starts from: the starting model, replaced after a warm start; a resumed
         # run reads it from the checkpoint's state, never the resumed weights.
         self.reference_model = self.model_path
+        if self.resume_from is not None and not self.resume_from.exists() and self.storage is not None:
+            # this controller runs on another node than the one that chose the checkpoint: its copy in storage
+            self.resume_from = await asyncio.to_thread(fetch_checkpoint, self.run_dir, self.resume_from.name,
+                                                       self.storage)
         if self.resume_from is not None:
             resumed = load_state(self.resume_from)
             self.iteration, self.version = resumed["iteration"], resumed["weight_version"]
@@ -222,9 +229,11 @@ class Controller:
         self.sink = await asyncio.to_thread(MetricsSink, self.run_dir, cfg.run_name, cfg.logging, self.config_dict,
                                             self.iteration if resumed is not None else None)
         (self.run_dir / "config.json").write_text(json.dumps(self.config_dict, indent=2))
-        self.template = await asyncio.to_thread(write_model_template, self.model_path,
+        # the starting model on this node (a storage URI is fetched into its cache)
+        self.local_model = await asyncio.to_thread(local_folder, self.model_path)
+        self.template = await asyncio.to_thread(write_model_template, self.local_model,
                                                 self.run_dir / "model_template")
-        pad_id = await asyncio.to_thread(_pad_id, self.model_path)
+        pad_id = await asyncio.to_thread(_pad_id, self.local_model)
         self.env_actors = [self._make_env_actor() for _ in range(cfg.rollout.num_env_actors)]
         await asyncio.gather(*(a.ready.remote() for a in self.env_actors))
         self.pad_id = pad_id
@@ -244,20 +253,25 @@ class Controller:
         always builds on the base model; its adapter (and the base) come back from the checkpoint's train_state."""
         if checkpoint is None or self.cfg.policy.lora is not None:
             return self.model_path
-        return str(checkpoint / "model")
+        return self._shared(str(checkpoint / "model"))
+
+    def _shared(self, folder: str) -> str:
+        """A folder of the run folder as a process on another node reads it: through storage, when the run has it."""
+        return in_storage(folder, self.run_dir, self.storage)
 
     def _make_trainer(self, model_path: str, checkpoint: Path | None) -> TrainerGroup:
         cfg = self.cfg
         return TrainerGroup(cfg.run_name, str(self.run_dir), cfg.trainer, {
-            "model_path": model_path, "ref_model_path": self.reference_model, "optim": cfg.optim.model_dump(),
+            "model_path": model_path, "ref_model_path": self._shared(self.reference_model),
+            "optim": cfg.optim.model_dump(),
             "seed": cfg.seed, "pad_id": self.pad_id, "norm_length": cfg.loss_norm_length, "iterations": cfg.iterations,
             "mixed_precision": cfg.trainer.mixed_precision, "weights_dtype": cfg.policy.dtype,
             "weights_bucket_bytes": cfg.weight_sync.bucket_bytes,
             "activation_checkpointing": cfg.trainer.activation_checkpointing,
             "lora": cfg.policy.lora.model_dump() if cfg.policy.lora else None,
             "framework_log_level": cfg.logging.framework_level,
-            **train_state_of(checkpoint),
-        })
+            **{k: self._shared(v) for k, v in train_state_of(checkpoint).items()},
+        }, cfg.placement)
 
     async def _recover_trainer(self, error: TrainerFailure) -> None:
         """The Train job failed or hung: start a new one from the last checkpoint (model and optimizer), roll the
@@ -312,7 +326,7 @@ class Controller:
         if weights.kind != "adapter":
             return tensors
         if self._base_weights is None:
-            self._base_weights = base_model_weights(self.model_path)
+            self._base_weights = base_model_weights(self.local_model)
         return merge(self._base_weights, tensors, self.cfg.policy.lora.scale)
 
     def latest_weights_for_replica(self) -> dict[str, Any] | None:
@@ -323,7 +337,8 @@ class Controller:
 
     def _make_env_actor(self):
         cfg = self.cfg
-        return EnvGroupActor.options(num_cpus=cfg.rollout.env_actor_cpus, runtime_env={"env_vars": {
+        return EnvGroupActor.options(num_cpus=cfg.rollout.env_actor_cpus, resources=cfg.placement.env_actors,
+                                     runtime_env={"env_vars": {
             "RAYGENT_FRAMEWORK_LOG_LEVEL": cfg.logging.framework_level}}).remote(
             cfg.env.name, cfg.env_kwargs, cfg.memory.name, cfg.memory.kwargs, self.model_path, self.policy,
             cfg.policy.max_model_len, self.retriever, cfg.rollout.policy_timeout_s)
@@ -674,9 +689,20 @@ class Controller:
                  **({"base_model": self.model_path} if lora is not None else {})}
 
         async def save_train_state(path: str) -> None:
-            results = await self.trainer.run({"kind": "save_train_state", "path": path})
+            # Ranks on other nodes write their shards on their own disks, then into `stage` in storage; they are
+            # collected into this node's checkpoint here.
+            stage = f"staging/{Path(path).parent.name}"
+            results = await self.trainer.run({
+                "kind": "save_train_state", "path": path, "node": ray.get_runtime_context().get_node_id(),
+                "stage": self.storage.uri_of(stage) if self.storage is not None else None})
             if results[0].get("write_error"):
                 raise OSError(results[0]["write_error"])
+            if self.storage is not None and await asyncio.to_thread(self.storage.exists, stage):
+                await asyncio.to_thread(self.storage.download_into, stage, path)
+                await asyncio.to_thread(self.storage.delete, stage)
+            if not (Path(path) / ".metadata").is_file():
+                raise OSError(f"the Train job's state is not all in {path}: a rank on another node wrote it there "
+                              "on its own disk; set checkpoint.storage so its shards reach this node")
 
         card = self.cfg.agent_card(iteration=self.iteration, weight_version=self.version,
                                    warm_start_done=self.warm_start_done, base_model=self.cfg.policy.model)
@@ -690,9 +716,9 @@ class Controller:
         """Checkpoints rotation must keep while this run lives: the one it resumed from, and the one the policy
         replicas and env-group actors load their starting model from (a restart reads it again)."""
         pinned = {self.resume_from} if self.resume_from else set()
-        start = Path(self.model_path)
-        if start.name == "model" and start.parent.parent == self.run_dir / "checkpoints":
-            pinned.add(start.parent)
+        start = Path(self.model_path.partition("?")[0])  # a local folder, or its copy in storage
+        if start.name == "model" and start.parent.parent.name == "checkpoints":
+            pinned.add(self.run_dir / "checkpoints" / start.parent.name)
         return pinned
 
     # ---- supervised warm start -------------------------------------------------------------------------------

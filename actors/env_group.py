@@ -39,6 +39,7 @@ from actors.episodes import (
 from actors.evaluation import play_heldout
 from actors.metrics import quiet_frameworks
 from actors.retrieval import attach_retriever
+from actors.storage import local_folder
 
 logger = logging.getLogger("raygent")
 
@@ -129,7 +130,7 @@ class EnvGroupActor:
         quiet_frameworks(os.environ.get("RAYGENT_FRAMEWORK_LOG_LEVEL", "WARNING"))
         self.env_name, self.env_kwargs = env_name, env_kwargs
         self.memory_name, self.memory_kwargs = memory_name, memory_kwargs
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.tokenizer = AutoTokenizer.from_pretrained(local_folder(model_path))
         self.policy = policy
         self.max_model_len = max_model_len
         self.policy_timeout_s = policy_timeout_s

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 _COMPLETE = ".raygent-fetched"  # written last into a fetched folder: a folder without it is not used
+STORAGE_COMPLETE = ".complete"  # written last into a folder a run copies to storage: one without it is never used
 
 
 def is_uri(name: str) -> bool:
@@ -65,9 +66,22 @@ def check_folder(uri: str, must_hold: str | None = None) -> None:
         raise ValueError(f"{shown(uri)}: the folder holds no {must_hold}")
 
 
+def local_folder(folder: str) -> str:
+    """A folder handed to this process: a storage URI fetched into this node's cache, or a local path as it is."""
+    return str(fetch_folder(folder)) if is_uri(folder) else folder
+
+
+def folder_stamp(folder: Path) -> str:
+    """What tells two versions of a local folder apart: a hash of its files' names, sizes and mtimes."""
+    files = sorted((str(f.relative_to(folder)), f.stat().st_size, f.stat().st_mtime_ns)
+                   for f in Path(folder).rglob("*") if f.is_file())
+    return hashlib.sha256(repr(files).encode()).hexdigest()[:16]
+
+
 def fetch_folder(uri: str) -> Path:
-    """The folder at `uri`, fetched into this node's cache (once): its local path."""
-    target = cache_root() / hashlib.sha256(uri.encode()).hexdigest()[:20]
+    """The folder at `uri`, fetched into this node's cache (once per version: the text of the run's marker in it or
+    in its parent, which a new copy of a checkpoint or reference changes): its local path."""
+    target = cache_root() / hashlib.sha256((uri + _version(uri)).encode()).hexdigest()[:20]
     if (target / _COMPLETE).is_file():
         return target
     staged = target.with_name(f".{target.name}-{os.getpid()}-{os.urandom(4).hex()}")
@@ -84,6 +98,15 @@ def fetch_folder(uri: str) -> Path:
     return target
 
 
+def _version(uri: str) -> str:
+    base, sep, query = uri.partition("?")
+    for folder in (base, base.rstrip("/").rpartition("/")[0]):
+        storage = Storage(folder + sep + query)
+        if storage.exists(STORAGE_COMPLETE):
+            return storage.read_text(STORAGE_COMPLETE)
+    return ""
+
+
 class Storage:
     """A folder in storage (a URI or a local path) and what a run does under it, by paths relative to it."""
 
@@ -98,6 +121,11 @@ class Storage:
 
     def __repr__(self) -> str:
         return f"Storage({shown(self.uri)!r})"
+
+    def uri_of(self, rel: str) -> str:
+        """The URI of `rel` under this folder (its query, such as an endpoint override, kept)."""
+        base, sep, query = self.uri.partition("?")
+        return f"{base.rstrip('/')}/{rel}{sep}{query}"
 
     def _path(self, rel: str = "") -> str:
         return f"{self.base.rstrip('/')}/{rel}".rstrip("/") if rel else self.base
@@ -142,6 +170,15 @@ class Storage:
             self.fs.create_dir(self._path(rel), recursive=True)
         pyarrow.fs.copy_files(str(local), self._path(rel), source_filesystem=pyarrow.fs.LocalFileSystem(),
                               destination_filesystem=self.fs, use_threads=True)
+
+    def download_into(self, rel: str, local_dir: str | Path) -> None:
+        """The files of folder `rel` into a local folder (beside what it holds; made if missing)."""
+        import pyarrow.fs
+
+        Path(local_dir).mkdir(parents=True, exist_ok=True)
+
+        pyarrow.fs.copy_files(self._path(rel), str(local_dir), source_filesystem=self.fs,
+                              destination_filesystem=pyarrow.fs.LocalFileSystem(), use_threads=True)
 
     def download(self, rel: str, local: str | Path) -> None:
         """`rel` (a file, or a folder recursively) to a local path that must not exist yet: written beside it

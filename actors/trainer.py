@@ -16,6 +16,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -83,7 +84,9 @@ def _load_model(path: str, device, strategy: str, mesh, cfg: dict[str, Any], tra
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
+    from actors.storage import local_folder
+
+    model = AutoModelForCausalLM.from_pretrained(local_folder(path), dtype=torch.float32).to(device)
     if trainable:
         model.train()
         if cfg.get("activation_checkpointing"):
@@ -174,6 +177,18 @@ def save_train_state(model, optimizer, path: str) -> None:
     dcp.save(state, checkpoint_id=path)
 
 
+def stage_shards(path: str, rank: int, stage: str) -> None:
+    """A rank on another node than the controller's wrote its shards (and rank 0 DCP's metadata) into `path` on
+    its own disk: they go to the storage folder `stage`, where the controller collects them."""
+    from actors.storage import Storage
+
+    storage = Storage(stage)
+    for f in Path(path).iterdir():
+        if f.name.startswith(f"__{rank}_") or (rank == 0 and f.name == ".metadata"):
+            storage.upload(f, f.name)
+            f.unlink()
+
+
 def load_train_state(model, optimizer, path: str) -> None:
     """`save_train_state`'s folder back into `model` and `optimizer`, resharded to this job's layout."""
     import torch.distributed.checkpoint as dcp
@@ -210,6 +225,15 @@ def _rows(shard) -> dict[str, list]:
     return {k: [r[k] for r in rows] for k in (rows[0] if rows else {})}
 
 
+def worker_resources(trainer_cfg: Any, placement: Any = None) -> dict[str, float] | None:
+    """What one Train worker asks of a node: its CPUs (or a GPU: Ray Train's default of one CPU and one GPU) and the
+    placement's custom resources."""
+    extra = placement.trainer if placement is not None else {}
+    if trainer_cfg.use_gpu:
+        return {"CPU": 1.0, "GPU": 1.0, **extra} if extra else None
+    return {"CPU": trainer_cfg.cpus_per_worker, **extra}
+
+
 def train_loop_per_worker(cfg: dict[str, Any]) -> None:
     """Runs on every Train worker for the whole run: take the next task from the mailbox, run it (the update itself
     is `actors.learner`), hand the result back."""
@@ -233,7 +257,9 @@ def train_loop_per_worker(cfg: dict[str, Any]) -> None:
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=optim.lr,
                                   betas=optim.betas, weight_decay=optim.weight_decay)  # LoRA: the adapter only
     if cfg.get("train_state"):
-        load_train_state(model, optimizer, cfg["train_state"])
+        from actors.storage import local_folder
+
+        load_train_state(model, optimizer, local_folder(cfg["train_state"]))
     elif cfg.get("optimizer_state"):
         _load_full_optimizer_state(model, optimizer, strategy,
                                    torch.load(cfg["optimizer_state"], weights_only=False))
@@ -294,6 +320,8 @@ def train_loop_per_worker(cfg: dict[str, Any]) -> None:
             metrics = {}
             try:
                 save_train_state(model, optimizer, task["path"])
+                if task.get("stage") and ray.get_runtime_context().get_node_id() != task["node"]:
+                    stage_shards(task["path"], rank, task["stage"])
             except (OSError, CheckpointException) as e:
                 # A full or read-only disk fails every rank alike (DCP gathers the writers' errors): each reports,
                 # none raises, and the controller keeps the last checkpoint.
@@ -336,9 +364,10 @@ class TrainerFailure(RuntimeError):
 class TrainerGroup:
     """Controller-side handle on the run's single TorchTrainer: start once, then `await run(task)` per step."""
 
-    def __init__(self, run_name: str, run_dir: str, trainer_cfg: Any, worker_cfg: dict[str, Any]):
+    def __init__(self, run_name: str, run_dir: str, trainer_cfg: Any, worker_cfg: dict[str, Any],
+                 placement: Any = None):
         self.world = trainer_cfg.num_workers
-        self.trainer_cfg = trainer_cfg
+        self.trainer_cfg, self.placement = trainer_cfg, placement
         self.namespace = ray.get_runtime_context().namespace
         self.job_id = uuid.uuid4().hex[:8]  # one per job: a restarted job gets its own mailbox and Train run
         self.mailbox_name = f"raygent-mailbox-{run_name}-{self.job_id}"
@@ -362,8 +391,9 @@ class TrainerGroup:
         trainer = TorchTrainer(
             train_loop_per_worker, train_loop_config=self.worker_cfg,
             scaling_config=ScalingConfig(num_workers=self.world, use_gpu=self.trainer_cfg.use_gpu,
-                                         resources_per_worker=None if self.trainer_cfg.use_gpu else
-                                         {"CPU": self.trainer_cfg.cpus_per_worker}),
+                                         resources_per_worker=worker_resources(self.trainer_cfg, self.placement),
+                                         placement_strategy=self.placement.trainer_strategy if self.placement
+                                         else "PACK"),
             # a collective that waits longer than this raises on every rank (a hung or dead peer): the job ends
             torch_config=TorchConfig(backend="nccl" if self.trainer_cfg.use_gpu else "gloo",
                                      timeout_s=int(self.trainer_cfg.task_timeout_s)),

@@ -24,10 +24,20 @@ from fastapi import FastAPI
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from actors.checkpoint import fetch_latest_checkpoint, latest_checkpoint, load_state
+from actors.checkpoint import (
+    fetch_latest_checkpoint,
+    in_storage,
+    latest_checkpoint,
+    latest_in_storage,
+    load_state,
+    mirror_checkpoint,
+    publish_start_model,
+)
 from actors.config import TrainConfig, check_resume_config, load_train_config, run_storage
 from actors.controller import Controller
 from actors.lora import check_targets
+from actors.storage import STORAGE_COMPLETE, Storage, is_uri
+from actors.trainer import worker_resources
 from app.default_model import resolve_model
 from app.policy import Policy
 from app.retriever import Retriever
@@ -79,7 +89,7 @@ class TrainingRun:
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
             pass  # dead or unreachable: a new one takes its name
         controller = Controller.options(name=name, namespace=CONTROLLER_NAMESPACE, lifetime="detached",
-                                        get_if_exists=False).remote(self.config, self.policy, self.model_path,
+                                        get_if_exists=False, resources=self.cfg.placement.controller).remote(self.config, self.policy, self.model_path,
                                                                     resume_from, self.retriever,
                                                                     self.config_hash)
         controller.start.remote()
@@ -93,9 +103,16 @@ class TrainingRun:
             pass  # busy (e.g. blocked in a long call): not dead
         except ray.exceptions.RayActorError:
             self.restarts += 1
-            latest = latest_checkpoint(self.cfg.run_dir) if self.cfg.checkpoint.resume != "never" else None
+            latest = self._latest() if self.cfg.checkpoint.resume != "never" else None
             logger.warning("the run's controller died; starting it again from %s", latest or "the start")
             self.controller = self._attach(str(latest) if latest else None)
+
+    def _latest(self) -> Path | None:
+        """The run's latest checkpoint: in storage when the run has it (this replica's node may not be the
+        controller's; a controller on a node without it fetches it), else in the run folder."""
+        storage = self.cfg.checkpoint.run_storage(self.cfg.run_name)
+        name = latest_in_storage(storage) if storage is not None else None
+        return self.cfg.run_dir / "checkpoints" / name if name else latest_checkpoint(self.cfg.run_dir)
 
     @train_api.get("/")
     @train_api.get("/status")
@@ -139,12 +156,55 @@ def check_gpus(cfg: TrainConfig) -> None:
                          "and remove num_gpus from the Policy deployment")
 
 
+def check_placement(cfg: TrainConfig) -> None:
+    """Each set of resources in `placement` (with the CPUs or GPU it comes with) fits some alive node, and the
+    Train workers fit as their placement group asks, or the run fails here, before any actor starts, instead of an
+    actor waiting forever for a node. `placement.check_nodes: false` skips this (nodes that start on demand)."""
+    if not cfg.placement.check_nodes or not ray.is_initialized():
+        return
+    nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+    workers = cfg.trainer.num_workers
+    worker = worker_resources(cfg.trainer, cfg.placement) or {"CPU": 1.0, "GPU": 1.0}
+    wanted = {"controller": (cfg.placement.controller, 1),
+              "env_actors": ({"CPU": cfg.rollout.env_actor_cpus, **cfg.placement.env_actors}, 1),
+              "trainer": (worker, workers if cfg.placement.trainer_strategy == "STRICT_PACK" else 1)}
+    for field, (need, times) in wanted.items():
+        if not any(all(node.get(k, 0.0) >= v * times for k, v in need.items()) for node in nodes):
+            have = [{k: v for k, v in node.items() if not k.startswith("node:") and k not in
+                     ("memory", "object_store_memory")} for node in nodes]
+            raise ValueError(f"invalid training config:\n  args.placement.{field}: no node of this Ray cluster "
+                             f"has {need}{f' x {times} ({cfg.placement.trainer_strategy})' if times > 1 else ''};"
+                             f" its nodes have {have} (placement.check_nodes: false if nodes start on demand)")
+    fitting = sum(all(node.get(k, 0.0) >= v for k, v in worker.items()) for node in nodes)
+    if cfg.placement.trainer_strategy == "STRICT_SPREAD" and fitting < workers:
+        raise ValueError(f"invalid training config:\n  args.placement.trainer_strategy: STRICT_SPREAD needs "
+                         f"{workers} nodes with {worker}; this Ray cluster has {fitting}")
+
+
+def shared_start(cfg: TrainConfig, model_path: str, resume_from: str | None, storage: Storage) -> str:
+    """The model a run with `checkpoint.storage` starts from, as every node reads it: its URI in storage. A
+    checkpoint is there already (copied when written; copied now if that failed), a local model folder is copied
+    once, a storage URI or a hub id stays as it is. Nothing else of this node's disk reaches another node."""
+    from_checkpoint = resume_from is not None and cfg.policy.lora is None
+    if is_uri(cfg.policy.model) and not from_checkpoint:
+        return cfg.policy.model  # in storage already
+    if not Path(model_path).is_dir():
+        return model_path  # a hub id: every node downloads it
+    if from_checkpoint:
+        checkpoint = Path(resume_from)
+        if not storage.exists(f"checkpoints/{checkpoint.name}/{STORAGE_COMPLETE}"):
+            mirror_checkpoint(cfg.run_dir, checkpoint, storage)
+        return in_storage(model_path, cfg.run_dir, storage)
+    return publish_start_model(model_path, storage)
+
+
 def build_train_app(args: dict[str, Any]) -> serve.Application:
     """`serve run` entry. Validates the whole config (failing with each bad field's path and what is allowed), checks
     that a GPU config has GPUs, and resolves the starting weights (latest checkpoint of the run when `resume: auto`)
     before any actor starts."""
     cfg = load_train_config(args)
     check_gpus(cfg)
+    check_placement(cfg)
     storage = run_storage(cfg)
     resume_from = None
     if cfg.checkpoint.resume == "auto":
@@ -173,6 +233,8 @@ def build_train_app(args: dict[str, Any]) -> serve.Application:
             raise ValueError(f"invalid training config:\n  args.policy.lora.{e}") from None
     else:
         model_path = f"{resume_from}/model" if resume_from else resolve_model(cfg.policy.model)
+    if storage is not None:
+        model_path = shared_start(cfg, model_path, resume_from, storage)
     policy_cfg = cfg.policy.model_copy(update={"model": model_path, "initial_version": version,
                                                "sync_from": controller_name(cfg.run_name)}).model_dump()
     config = cfg.model_dump(mode="json")

@@ -75,6 +75,39 @@ def test_gpu_recipe_without_a_gpu_fails_before_any_actor_starts(monkeypatch):
         build_train_app(app["args"])
 
 
+@pytest.mark.parametrize("placement, words", [
+    ({"trainer": {"gpu_node": 1}}, ["args.placement.trainer: no node of this Ray cluster has",
+                                    "'gpu_node': 1.0", "check_nodes: false"]),
+    ({"env_actors": {"env_node": 2}}, ["args.placement.env_actors: no node", "'env_node': 2.0"]),
+    ({"trainer_strategy": "STRICT_SPREAD"}, ["args.placement.trainer_strategy: STRICT_SPREAD needs 2 nodes",
+                                             "has 1"]),
+])
+def test_a_placement_no_node_can_satisfy_fails_before_any_actor_starts(ray_cluster, placement, words):
+    from app.train import CONTROLLER_NAMESPACE, build_train_app, controller_name
+
+    args = {"run_name": "placement-check", "policy": {"model": "default:tiny"}, "placement": placement}
+    with pytest.raises(ValueError) as err:
+        build_train_app(args)
+    message = str(err.value)
+    assert all(w in message for w in words), message
+    with pytest.raises(ValueError):  # no controller (nor anything it starts) came up
+        ray_cluster.get_actor(controller_name("placement-check"), namespace=CONTROLLER_NAMESPACE)
+    # the same placement on a cluster whose nodes start on demand is not checked
+    build_train_app({**args, "placement": {**placement, "check_nodes": False}})
+
+
+@pytest.mark.parametrize("placement, words", [
+    ({"trainer": {"CPU": 1}}, ["args.placement.trainer", "trainer.cpus_per_worker"]),
+    ({"controller": {"head": 0}}, ["args.placement.controller", "must be > 0"]),
+    ({"trainer_strategy": "TIGHT"}, ["args.placement.trainer_strategy", "'PACK'", "'STRICT_SPREAD'"]),
+])
+def test_a_bad_placement_names_the_field(placement, words):
+    with pytest.raises(ValueError) as err:
+        load_train_config({"placement": placement})
+    message = str(err.value)
+    assert all(w in message for w in words), message
+
+
 def test_a_lora_target_the_model_lacks_fails_before_any_actor_starts():
     from app.train import build_train_app
 

@@ -1,0 +1,209 @@
+"""Two Ray nodes that share no disk, on one machine: a head node, and a worker node whose `ray start` runs in its own
+mount namespace with private tmpfs over its Ray folder, the run's output folder and every cache the project
+writes, so a file either node writes is invisible to the other. Storage is reached only through its URI (a local
+S3-compatible server). The Train workers and one Policy replica run on the worker node (custom resources,
+`max_replicas_per_node: 1`), the controller on the head. A run trains and checkpoints to storage; the head's run
+folder is deleted and the run resumes from storage; the worker node is killed mid-run and the run goes on once a
+new node joins; the agent endpoint, its replica on the worker node, serves the trained checkpoint from storage."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from tests.conftest import REPO, free_port
+from tests.serve_helpers import SERVE, get_status, wait_for
+
+pytestmark = pytest.mark.slow
+RAY = str(Path(sys.executable).with_name("ray"))
+
+
+class Node:
+    """`ray start --block` of one node in its own mount namespace, `private` folders each under a fresh tmpfs;
+    stopped (or killed) by its process group."""
+
+    def __init__(self, args: list[str], private: list[Path], log: Path, env: dict[str, str]):
+        mounts = "".join(f"mkdir -p {p} && mount -t tmpfs tmpfs {p} && " for p in private)
+        script = mounts + "exec " + shlex.join([RAY, "start", "--block", "--disable-usage-stats", *args])
+        self.log = log
+        self.proc = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
+                                     cwd=REPO, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, sig)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+def _ports() -> list[str]:
+    """Every port a node binds, chosen free (two nodes on one address must not share the fixed defaults)."""
+    low = free_port()
+    flags = ["--node-manager-port", "--object-manager-port", "--dashboard-agent-listen-port",
+             "--dashboard-agent-grpc-port", "--runtime-env-agent-port", "--metrics-export-port"]
+    return [x for flag in flags for x in (flag, str(free_port()))] + [
+        # below the kernel's ephemeral range (32768-60999), where free_port's picks come from
+        "--min-worker-port", str(12000 + low % 7000), "--max-worker-port", str(12000 + low % 7000 + 400)]
+
+
+class _Driver:  # what wait_for watches: a `serve run` process and its log
+    def __init__(self, config: Path, log: Path, env: dict[str, str]):
+        self.log = log
+        self.proc = subprocess.Popen([SERVE, "run", str(config)], cwd=REPO, env=env, stdout=log.open("w"),
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=90)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+@pytest.fixture
+def two_nodes(tmp_path):
+    gcs = free_port()
+    env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_USAGE_STATS_ENABLED": "0",
+           "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "token")}
+    env.pop("RAY_ADDRESS", None)
+    head_tmp, worker_tmp = Path(f"/tmp/rh{gcs}"), Path(f"/tmp/rw{gcs}")
+    head = Node(["--head", "--port", str(gcs), "--num-cpus", "3", "--resources", '{"head_node": 100}',
+                 "--include-dashboard", "false", "--temp-dir", str(head_tmp), *_ports()],
+                [], tmp_path / "head.log", env)
+    address = f"127.0.0.1:{gcs}"
+    cache = Path(os.environ["RAYGENT_CACHE"])
+    private = [worker_tmp, head_tmp, Path("/tmp/ray"), tmp_path / "runs", cache, Path.home() / ".cache" / "raygent"]
+    workers: list[Node] = []
+
+    def start_worker() -> Node:
+        node = Node(["--address", address, "--num-cpus", "2", "--resources", '{"worker_node": 100}',
+                     "--temp-dir", str(worker_tmp), *_ports()], private, tmp_path / f"worker{len(workers)}.log", env)
+        workers.append(node)
+        return node
+
+    def alive_nodes() -> int:
+        out = subprocess.run([RAY, "status", "--address", address], capture_output=True, text=True, timeout=60,
+                             env=env).stdout
+        return out.split("Active:", 1)[-1].split("Pending:", 1)[0].count("node_")
+
+    try:
+        deadline = time.monotonic() + 120
+        while alive_nodes() < 1:
+            assert time.monotonic() < deadline and head.proc.poll() is None, (tmp_path / "head.log").read_text()
+            time.sleep(2)
+        start_worker()
+        while alive_nodes() < 2:
+            assert time.monotonic() < deadline and workers[-1].proc.poll() is None, \
+                (tmp_path / "worker0.log").read_text()
+            time.sleep(2)
+        yield {"address": address, "env": {**env, "RAY_ADDRESS": address}, "start_worker": start_worker,
+               "workers": workers, "alive_nodes": alive_nodes}
+    finally:
+        for node in [*workers, head]:
+            node.stop()
+
+
+def _train_config(tmp_path: Path, name: str, port: int, storage: str, iterations: int) -> Path:
+    spec = yaml.safe_load((REPO / "serve_configs" / "test_tiny.yaml").read_text())
+    spec["http_options"]["port"] = port
+    app = spec["applications"][0]
+    app["args"].update(
+        output_dir=str(tmp_path / "runs"), run_name="two-nodes", iterations=iterations,
+        checkpoint={"every": 1, "keep": 2, "resume": "auto", "storage": storage},
+        placement={"controller": {"head_node": 1}, "trainer": {"worker_node": 1}})
+    app["deployments"] = [
+        {"name": "Policy", "num_replicas": 2, "max_replicas_per_node": 1, "ray_actor_options": {"num_cpus": 0.25}},
+        {"name": "TrainingRun", "ray_actor_options": {"num_cpus": 0, "resources": {"head_node": 1}}}]
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def _run_to_the_end(config: Path, log: Path, env: dict[str, str], url: str, timeout: float) -> dict:
+    driver = _Driver(config, log, env)
+    try:
+        return wait_for(lambda: (s := get_status(url))["done"] and s, timeout, f"{config.name} to finish", driver)
+    finally:
+        driver.stop()
+
+
+def test_a_run_on_two_nodes_without_a_shared_disk_trains_resumes_from_storage_and_serves(two_nodes, tmp_path,
+                                                                                         s3_bucket):
+    import shutil
+
+    from actors.storage import Storage
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    storage = s3_bucket.format(key="two-nodes")
+    stored = Storage(s3_bucket.format(key="two-nodes/two-nodes"))
+
+    status = _run_to_the_end(_train_config(tmp_path, "train2", port, storage, 2), tmp_path / "train2.log",
+                             two_nodes["env"], url, 900)
+    assert status["phase"] == "done" and status["iteration"] == 2, status
+    assert stored.folders("checkpoints") == ["iter_000001", "iter_000002"]
+    # the shards of the ranks on the worker node came through storage into the head's checkpoint
+    assert stored.exists("checkpoints/iter_000002/train_state/.metadata")
+    assert stored.exists("checkpoints/iter_000002/train_state/__1_0.distcp")
+    assert not stored.folders("staging")
+
+    # The head's run folder is gone too: only storage has the run. It resumes from there, and mid-run the worker
+    # node (its Train workers, a Policy replica, maybe env-group actors) is killed: the Train job is started again
+    # from the last checkpoint once a new node with the workers' resources joins, and the run goes on to its end.
+    shutil.rmtree(tmp_path / "runs")
+    driver = _Driver(_train_config(tmp_path, "train4", port, storage, 4), tmp_path / "train4.log", two_nodes["env"])
+    try:
+        wait_for(lambda: stored.exists("checkpoints/iter_000003/.complete"), 900, "the checkpoint of iteration 3",
+                 driver)
+        two_nodes["workers"][-1].stop(signal.SIGKILL)
+        wait_for(lambda: two_nodes["alive_nodes"]() == 1, 120, "the worker node to be gone", driver)
+        time.sleep(20)  # the run notices: its Train job is lost and waits for a node
+        assert not get_status(url)["done"]
+        two_nodes["start_worker"]()
+        status = wait_for(lambda: (s := get_status(url))["done"] and s, 900, "the run to finish", driver)
+    finally:
+        driver.stop()
+    assert status["phase"] == "done" and status["iteration"] == 4, status
+    log = (tmp_path / "train4.log").read_text()
+    assert "fetched iter_000002" in log, log[-3000:]
+    history = [json.loads(line) for line in stored.read_text("metrics.jsonl").splitlines() if line.strip()]
+    trained = [r["iteration"] for r in history if r.get("phase") == "train"]
+    assert trained == [1, 2, 3, 4], trained  # a redone iteration replaces its first record
+    faults = [r for r in history if r.get("phase") == "fault"]
+    assert faults and faults[-1]["faults/trainer_restarts"] >= 1, faults
+    assert all(r["faults/storage_failures"] == 0 for r in history if r.get("phase") == "train")
+
+    # The agent endpoint serves the checkpoint from storage, its replica on the worker node.
+    agent = yaml.safe_load((REPO / "serve_configs" / "agent.yaml").read_text())
+    agent["http_options"]["port"] = port
+    app = agent["applications"][0]
+    app["args"]["policy"]["model"] = stored.uri_of("checkpoints/iter_000004/model")
+    app["deployments"][0]["ray_actor_options"]["resources"] = {"worker_node": 1}
+    config = tmp_path / "agent.yaml"
+    config.write_text(yaml.safe_dump(agent))
+    driver = _Driver(config, tmp_path / "agent.log", two_nodes["env"])
+    try:
+        card = wait_for(lambda: (a := httpx.get(f"{url}/v1/agent", timeout=10).json()).get("card") and a, 600,
+                        "the agent endpoint", driver)
+        assert card["card"]["source"]["iteration"] == 4 and card["allowed_envs"] == ["sokoban"], card
+        reply = httpx.post(f"{url}/v1/episodes", json={"seed": 3, "sampling_seed": 11}, timeout=300)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["trajectory"], reply.json()
+    finally:
+        driver.stop()
