@@ -234,9 +234,14 @@ def _errors(*codes: int) -> dict[int, dict[str, Any]]:
 
 BODY_ERRORS = _errors(400, 401, 404, 411, 413)  # routes with a JSON body
 GET_ERRORS = _errors(401)
-# `stream: true` answers server-sent events: the OpenAPI document declares both media types of the 200
+# `stream: true` answers server-sent events: the OpenAPI document declares both media types of the 200. The
+# text/event-stream schema describes one parsed event (OpenAPI 3.0/3.1 have no `itemSchema`; schemathesis checks
+# each event against `schema`): its `data` is a JSON chunk, or `[DONE]` last.
+SSE_EVENT = {"type": "object", "required": ["data"],
+             "properties": {"data": {"type": "string"}, "event": {"type": "string"}, "id": {"type": "string"},
+                            "retry": {"type": "integer"}}}
 STREAMABLE = {**BODY_ERRORS, 200: {"description": "the reply: JSON, or server-sent events when `stream` is true",
-                                   "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
+                                   "content": {"text/event-stream": {"schema": SSE_EVENT}}}}
 
 
 class _AgentOpenAPI(FastAPI):

@@ -216,6 +216,20 @@ def test_openapi_declares_what_the_routes_return(agent):
     for path in ("/v1/chat/completions", "/v1/completions"):  # `stream: true` answers server-sent events
         assert {"application/json", "text/event-stream"} <= set(doc["paths"][path]["post"]["responses"]["200"][
             "content"]), path
+    # what a real stream sends, parsed into events the way schemathesis does, meets the declared per-event schema
+    import jsonschema
+
+    event_schema = doc["paths"]["/v1/chat/completions"]["post"]["responses"]["200"]["content"][
+        "text/event-stream"]["schema"]
+    r = httpx.post(f"{agent}/v1/chat/completions", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=120,
+                   json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True, "n": 2})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream"), r.text
+    events = [{"event": "message", "data": "\n".join(line[len("data: "):] for line in block.splitlines())}
+              for block in r.text.strip().split("\n\n")]
+    assert len(events) > 2 and events[-1]["data"] == "[DONE]"
+    for event in events:
+        jsonschema.validate(event, event_schema)
+    assert all(json.loads(e["data"])["object"] == "chat.completion.chunk" for e in events[:-1])
     assert doc["components"]["schemas"]["ActRequest"]["properties"]["session_id"]["anyOf"][0]["minLength"] == 8
 
 
