@@ -71,9 +71,14 @@ def _cmd_play(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from app.launch import train
+    from app.launch import parse_overrides, train
 
-    return train(args.config)
+    try:
+        overrides = parse_overrides(args.set)
+    except ValueError as e:
+        print(f"raygent train: {e}")
+        return 2
+    return train(args.config, overrides=overrides)
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
@@ -134,6 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
                                     "or stopped, 1 failed, 2 bad config), saying where the checkpoint is and how "
                                     "to serve it. Ctrl-C: stop after the running iteration, with a checkpoint.")
     tr.add_argument("config", nargs="?", default="serve_configs/train.yaml")
+    tr.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="change one field of the training app's args (a dotted key, the value as YAML), e.g. "
+                         "--set checkpoint.storage=s3://bucket/runs --set 'placement.trainer={gpu_node: 1}'; the "
+                         "config that runs is written to the run folder")
     tr.set_defaults(func=_cmd_train)
     play = sub.add_parser("play", help="play an environment in the terminal, shown the agent's prompt")
     play.add_argument("env", nargs="?", help="built-in env name or package.module:Class")

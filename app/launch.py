@@ -26,7 +26,7 @@ from typing import Any
 import yaml
 
 from actors.config import load_train_config, run_storage
-from app.sft import read_config_file
+from app.sft import TRAIN_APP, read_config_file, set_dotted
 
 FINAL = ("done", "stopped", "failed")
 MAJOR_PHASES = {"starting": "starting the controller, env-group actors and the Train job",
@@ -63,11 +63,41 @@ def _line(r: dict[str, Any]) -> str | None:
     return None
 
 
-def train(config: str | Path, out=print) -> int:
-    """Run the training Serve config to its end; the exit code of `raygent train`."""
+def parse_overrides(pairs: list[str]) -> dict[str, Any]:
+    """`--set KEY=VALUE` flags as {dotted key: value}, each value read as YAML (`3`, `true`, `{gpu_node: 1}`)."""
+    overrides = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--set {pair!r}: expected KEY=VALUE, e.g. --set checkpoint.storage=s3://bucket/runs")
+        try:
+            overrides[key] = yaml.safe_load(value)
+        except yaml.YAMLError as e:
+            raise ValueError(f"--set {key}: {value!r} is not a YAML value ({e})") from None
+    return overrides
+
+
+def _config_with_overrides(config: Path, spec: dict[str, Any], overrides: dict[str, Any], run_dir: Path) -> Path:
+    """The Serve config with the training app's args overridden, written beside the run's logs (what `serve run`
+    is given, and a record of what ran)."""
+    (app,) = [a for a in spec["applications"] if a.get("import_path") == TRAIN_APP]
+    args = app.setdefault("args", {})
+    for key, value in overrides.items():
+        set_dotted(args, key, value)
+    path = run_dir / f"serve_config.{config.stem}.yaml"
+    path.write_text(f"# {config} with {' '.join(f'--set {k}={v}' for k, v in overrides.items())}\n"
+                    + yaml.safe_dump(spec, sort_keys=False))
+    return path
+
+
+def train(config: str | Path, out=print, overrides: dict[str, Any] | None = None) -> int:
+    """Run the training Serve config to its end, its app's args changed by `overrides` ({dotted key: value}, as
+    `--set` gives them); the exit code of `raygent train`."""
     config = Path(config)
     try:
         args = read_config_file(config)
+        for key, value in (overrides or {}).items():
+            set_dotted(args, key, value)
         cfg = load_train_config(args)
         run_storage(cfg)
     except ValueError as e:
@@ -81,6 +111,11 @@ def train(config: str | Path, out=print) -> int:
             "http_options.port in the config")
         return 2
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    if overrides:
+        if "applications" not in spec:
+            out(f"raygent train: --set needs a Serve config (with applications:), and {config} is a bare args file")
+            return 2
+        config = _config_with_overrides(config, spec, overrides, cfg.run_dir)
     log_path = cfg.run_dir / "serve.log"
     url = f"http://{host}:{port}"
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": os.environ.get("RAY_USAGE_STATS_ENABLED", "0")}

@@ -52,7 +52,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def write_run_config(config: Path, work: Path, run_name: str, overrides: dict[str, Any]) -> tuple[Path, int, Path]:
+def write_run_config(config: Path, work: Path, run_name: str, overrides: dict[str, Any],
+                     deployments: dict[str, dict[str, Any]] | None = None) -> tuple[Path, int, Path]:
+    """The config a benchmark run serves: its own port, run folder and name, the app's args overridden, and fields
+    of named deployments set (None removes one, e.g. num_replicas where autoscaling_config takes over)."""
     spec = yaml.safe_load(config.read_text())
     port = free_port()
     spec.setdefault("http_options", {})["port"] = port
@@ -62,6 +65,12 @@ def write_run_config(config: Path, work: Path, run_name: str, overrides: dict[st
     args.setdefault("checkpoint", {})["resume"] = "never"
     for key, value in overrides.items():
         set_dotted(args, key, value)
+    for deployment in spec["applications"][0].get("deployments", []):
+        for key, value in (deployments or {}).get(deployment["name"], {}).items():
+            if value is None:
+                deployment.pop(key, None)
+            else:
+                deployment[key] = value
     path = work / f"{run_name}.yaml"
     path.write_text(yaml.safe_dump(spec))
     return path, port, work / "runs" / run_name
@@ -75,10 +84,11 @@ def get_json(url: str, method: str = "GET") -> Any:
 
 
 def run_training(config: Path, run_name: str, overrides: dict[str, Any], minutes: float, work: Path,
-                 log_every_s: float = 60.0) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+                 log_every_s: float = 60.0, deployments: dict[str, dict[str, Any]] | None = None,
+                 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """`serve run` the config; stop gracefully (POST /stop) when the budget is spent; return the metrics records
     and facts about the run. Times are seconds since `serve run` was launched."""
-    path, port, run_dir = write_run_config(config, work, run_name, overrides)
+    path, port, run_dir = write_run_config(config, work, run_name, overrides, deployments)
     url = f"http://127.0.0.1:{port}"
     log = work / f"{run_name}.log"
     serve = str(Path(sys.executable).with_name("serve"))

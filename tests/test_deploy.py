@@ -7,6 +7,7 @@ on paper (README, Scaling out)."""
 from __future__ import annotations
 
 import copy
+import json
 import os
 import re
 import shlex
@@ -19,7 +20,9 @@ from ray.serve.schema import ServeDeploySchema
 
 from actors.config import load_train_config
 from app.agent import AgentConfig
-from app.launch import train
+from app.cli import build_parser
+from app.launch import parse_overrides, train
+from app.sft import read_config_file, set_dotted
 from tests.conftest import REPO
 
 DEPLOY = REPO / "deploy"
@@ -86,7 +89,10 @@ def _embedded_serve_configs() -> dict[str, dict[str, Any]]:
                                       "http_options": {**agent["http_options"], "host": "0.0.0.0"}}}
 
 
-@pytest.mark.parametrize("name, kind", [("kuberay/rayjob-train.yaml", "RayJob"),
+RAYJOBS = ("kuberay/rayjob-train.yaml", "kuberay/rayjob-train-multinode.yaml")
+
+
+@pytest.mark.parametrize("name, kind", [*((n, "RayJob") for n in RAYJOBS),
                                         ("kuberay/rayservice-agent.yaml", "RayService")])
 def test_kuberay_manifests_validate_against_the_crds(name, kind):
     manifest = _manifest(name)
@@ -107,7 +113,7 @@ def test_the_strict_check_refuses_a_misspelt_field():
 
 def test_ray_version_and_image_match_the_project():
     pinned = re.search(r'"ray\[[^\]]*\]==([\d.]+)"', (REPO / "pyproject.toml").read_text()).group(1)
-    for name in ("kuberay/rayjob-train.yaml", "kuberay/rayservice-agent.yaml"):
+    for name in (*RAYJOBS, "kuberay/rayservice-agent.yaml"):
         spec = _manifest(name)["spec"]
         cluster = spec.get("rayClusterSpec") or spec["rayClusterConfig"]
         assert cluster["rayVersion"] == pinned, name
@@ -127,21 +133,99 @@ def test_embedded_serve_configs_are_agent_yaml_with_cluster_fields_only(name):
     assert embedded["http_options"]["host"] == "0.0.0.0"
 
 
-def _entrypoint_config(command: str) -> str:
+def _entrypoint(command: str, env: dict[str, str] | None = None) -> tuple[Path, dict[str, Any]]:
+    """The training config a `raygent train CONFIG [--set K=V ...]` entrypoint names, and its overrides (with the
+    head pod's environment variables expanded, as the shell that runs the entrypoint expands them)."""
     words = shlex.split(command.split("&&")[-1])
     assert words[:2] == ["raygent", "train"], command
-    return words[2]
+    words = [re.sub(r"\$(\w+)", lambda m: (env or {})[m.group(1)], w) for w in words]
+    parsed = build_parser().parse_args(words[1:])
+    return REPO / parsed.config, parse_overrides(parsed.set)
 
 
-@pytest.mark.parametrize("name", ["kuberay/rayjob-train.yaml", "anyscale/job.yaml"])
+def _entrypoint_args(manifest: dict[str, Any]) -> tuple[Path, dict[str, Any]]:
+    """The training app's args that a job's entrypoint runs: its config with its `--set` overrides applied."""
+    head_env = {}
+    if "spec" in manifest:
+        (head,) = manifest["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"]
+        head_env = {e["name"]: e["value"] for e in head.get("env", [])}
+    config, overrides = _entrypoint(manifest.get("entrypoint") or manifest["spec"]["entrypoint"], head_env)
+    assert config.is_file(), f"the entrypoint names {config}, which does not exist"
+    args = read_config_file(config)
+    for key, value in overrides.items():
+        set_dotted(args, key, value)
+    return config, args
+
+
+@pytest.mark.parametrize("name", [*RAYJOBS, "anyscale/job.yaml"])
 def test_training_entrypoints_name_a_config_that_validates(name):
-    manifest = _manifest(name)
-    config = REPO / _entrypoint_config(manifest.get("entrypoint") or manifest["spec"]["entrypoint"])
-    assert config.is_file(), f"{name} names {config}, which does not exist"
-    spec = yaml.safe_load(config.read_text())
-    (app,) = spec["applications"]
-    cfg = load_train_config(app["args"])
+    _, args = _entrypoint_args(_manifest(name))
+    cfg = load_train_config(args)
     assert cfg.trainer.use_gpu and cfg.output_dir == "runs"  # the folder the manifests mount
+
+
+def _groups(manifest: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """Each group's Ray resources as its pods start Ray: custom resources from rayStartParams, GPUs per pod
+    (rayStartParams num-gpus, else the container's nvidia.com/gpu limit) times the group's replicas."""
+    cluster = manifest["spec"]["rayClusterSpec"]
+    groups = {"head": {**cluster["headGroupSpec"], "replicas": 1}}
+    groups.update({g["groupName"]: g for g in cluster.get("workerGroupSpecs", [])})
+    out = {}
+    for name, group in groups.items():
+        params = group.get("rayStartParams") or {}
+        custom = json.loads(json.loads(params["resources"])) if "resources" in params else {}
+        (container,) = group["template"]["spec"]["containers"]
+        gpus = float(params.get("num-gpus", container["resources"]["limits"].get("nvidia.com/gpu", 0)))
+        out[name] = {**custom, "GPU": gpus, "replicas": group["replicas"]}
+    return out
+
+
+def _placement_errors(manifest: dict[str, Any]) -> list[str]:
+    """What the multi-node job asks that its groups cannot give: a placement set no group offers, more GPUs than
+    the GPU groups hold, or a pod that mounts a volume (the pods share no disk: storage is a URI)."""
+    config, args = _entrypoint_args(manifest)
+    cfg = load_train_config(args)
+    groups = _groups(manifest)
+    errors = [f"placement.{role}: no group offers {wanted}" for role in ("controller", "env_actors", "trainer")
+              if (wanted := getattr(cfg.placement, role))
+              and not any(all(g.get(k, 0) >= v for k, v in wanted.items()) for g in groups.values())]
+    (app,) = yaml.safe_load(config.read_text())["applications"]
+    policy = next(d for d in app["deployments"] if d["name"] == "Policy")
+    wanted_gpus = policy["num_replicas"] * policy["ray_actor_options"].get("num_gpus", 0) \
+        + (cfg.trainer.num_workers if cfg.trainer.use_gpu else 0)
+    have_gpus = sum(g["GPU"] * g["replicas"] for g in groups.values())
+    if wanted_gpus > have_gpus:
+        errors.append(f"{wanted_gpus} GPUs wanted (Policy replicas + Train workers), the groups have {have_gpus}")
+    if not cfg.checkpoint.storage or "://" not in cfg.checkpoint.storage:
+        errors.append(f"checkpoint.storage {cfg.checkpoint.storage!r} is not a URI")
+    cluster = manifest["spec"]["rayClusterSpec"]
+    for group in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]:
+        errors += [f"{group.get('groupName', 'head')} mounts volume {v['name']}" for v in
+                   group["template"]["spec"].get("volumes", []) if "emptyDir" not in v]
+    return errors
+
+
+def test_the_multinode_job_spreads_the_run_over_groups_that_share_no_disk():
+    """Head, a CPU group and a GPU group: the controller on the head, the env-group actors on the CPU pods, the
+    Policy replicas and Train workers on the GPU pods (the only ones with GPUs), storage an S3 URI and no shared
+    volume. The check can fail: a placement naming a resource no group starts with, a GPU group too small, or a
+    shared volume mounted are each reported."""
+    manifest = _manifest("kuberay/rayjob-train-multinode.yaml")
+    assert _placement_errors(manifest) == []
+    groups = _groups(manifest)
+    assert set(groups) == {"head", "cpu", "gpu"} and groups["head"]["GPU"] == groups["cpu"]["GPU"] == 0
+    _, args = _entrypoint_args(manifest)
+    placement = load_train_config(args).placement
+    assert placement.controller == {"head_node": 1} and placement.env_actors == {"cpu_node": 1}
+
+    broken = copy.deepcopy(manifest)
+    broken["spec"]["entrypoint"] = broken["spec"]["entrypoint"].replace("cpu_node", "env_node")
+    gpu = broken["spec"]["rayClusterSpec"]["workerGroupSpecs"][1]
+    gpu["replicas"] = 1
+    gpu["template"]["spec"]["volumes"].append({"name": "runs", "persistentVolumeClaim": {"claimName": "raygent-runs"}})
+    errors = _placement_errors(broken)
+    assert any(e.startswith("placement.env_actors") for e in errors), errors
+    assert any("GPUs wanted" in e for e in errors) and any("mounts volume runs" in e for e in errors), errors
 
 
 def test_an_entrypoint_naming_a_missing_config_exits_with_2_before_anything_starts(tmp_path):
