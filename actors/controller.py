@@ -117,6 +117,7 @@ class Controller:
         self._checkpointed_version = -1
         self.restarts = 0
         self.replica_sync_failures = 0
+        self.policy_replicas = self.replicas_updated = 0  # at the last sync check, and at the last broadcast
         self.checkpoint_failures = 0
         self.storage = self.cfg.checkpoint.run_storage(self.cfg.run_name)
         self.storage_failures = 0
@@ -462,6 +463,7 @@ class Controller:
                        "time/train_s": t_train - t_data, "time/broadcast_s": t_end - t_train,
                        "time/iteration_s": t_end - t_start,
                        "perf/overlap_share": self._overlap(t_data, t_train),
+                       "perf/policy_replicas": self.policy_replicas, "perf/replicas_updated": self.replicas_updated,
                        "faults/drained_rollouts": self.drained_rollouts})
         return record
 
@@ -586,6 +588,8 @@ class Controller:
                         "perf/prompt_tokens_per_step": total("prompt_tokens") / steps,
                         # a trajectory's steps kept on one replica (`rollout.route_by_group`): its prefix cache hits
                         "perf/same_replica_share": total("same_replica_steps") / max(total("later_steps"), 1),
+                        # replicas that answered this rollout (autoscaling adds and removes them mid-run)
+                        "perf/replicas_answering": len({r for p in parts for r in p.get("replica_steps", {})}),
                         "faults/rerolled_groups": int(total("rerolled_groups")),
                         "faults/dropped_groups": int(total("dropped_groups")),
                         "faults/prompt_too_long": int(total("prompt_too_long")),
@@ -625,15 +629,14 @@ class Controller:
     async def _sync_replicas(self) -> None:
         """Before a rollout: every replica on the latest weights. A replica that restarted and could not sync
         itself from the run, or missed a broadcast, gets them again (under a new version, so nothing rolls back)."""
-        if self.latest_weights is None:
-            return
         try:
             infos = await asyncio.wait_for(
                 self.policy.broadcast("info").results_async(return_exceptions=True), timeout=120)
         except asyncio.TimeoutError:
             infos = [None]
         versions = [i["version"] if isinstance(i, dict) else None for i in infos]
-        if any(v != self.version for v in versions):
+        self.policy_replicas = sum(isinstance(i, dict) for i in infos)
+        if self.latest_weights is not None and any(v != self.version for v in versions):
             logger.warning("replica versions %s differ from %d: re-broadcasting", versions, self.version)
             await self._broadcast(self.latest_weights)
 
@@ -645,6 +648,7 @@ class Controller:
         results = await self.policy.broadcast("update_weights", weights, self.version).results_async(
             return_exceptions=True)
         failed = [r for r in results if isinstance(r, BaseException)]
+        self.replicas_updated = len(results) - len(failed)
         if failed:
             self.replica_sync_failures += len(failed)
             logger.warning("%d of %d replicas did not take weight version %d: %s", len(failed), len(results),

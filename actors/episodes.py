@@ -16,6 +16,8 @@ never sample alike, and the same (env seed, sampling seed) replays the same epis
 
 from __future__ import annotations
 
+from collections import Counter
+
 import asyncio
 import concurrent.futures
 import functools
@@ -356,4 +358,5 @@ def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
             "env_errors": sum(s.env_error is not None for s in steps),
             "generated_tokens": sum(len(s.response_ids) for s in steps),
             "prompt_tokens": sum(len(s.prompt_ids) for s in steps),
-            "later_steps": len(follows), "same_replica_steps": sum(a == b for a, b in follows)}
+            "later_steps": len(follows), "same_replica_steps": sum(a == b for a, b in follows),
+            "replica_steps": dict(Counter(s.replica for s in steps if s.replica is not None))}
