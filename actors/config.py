@@ -308,9 +308,17 @@ class ValidationConfig(_Section):
 
 class WeightSyncConfig(_Section):
     """How new weights reach the policy replicas after each update (actors/weights.py): in the policy's dtype, in
-    buckets through Ray's object store; neither side holds a second full copy of the model."""
+    buckets; neither side holds a second full copy of the model."""
 
+    backend: Literal["object_store", "gloo", "nccl"] = Field(
+        "object_store", description="object_store: buckets through Ray's object store (any hardware); nccl: "
+                                    "broadcast from Train rank 0 to every replica's engine, GPU to GPU (needs "
+                                    "GPUs on both sides); gloo: the same broadcast over CPU memory (README, Weight "
+                                    "sync)")
     bucket_mb: int = Field(256, ge=1, description="most MiB per bucket (a larger tensor travels alone)")
+    timeout_s: float = Field(120.0, ge=5.0, description="gloo / nccl: how long a member waits for the others "
+                                                        "(the replicas finish their running requests first); past "
+                                                        "it the sync falls back to the object store")
 
     @field_validator("bucket_mb")
     @classmethod
@@ -438,6 +446,16 @@ class TrainConfig(_Section):
                              "optim.old_logprobs 'recompute' (got "
                              f"{self.optim.old_logprobs!r}) and optim.rollout_correction 'tis' or 'mask' (got "
                              f"{self.optim.rollout_correction!r}): decoupled PPO (README, Async rollout)")
+        return self
+
+    @model_validator(mode="after")
+    def _nccl_has_gpus(self) -> TrainConfig:
+        # NCCL moves GPU memory only: the sender is Train rank 0's GPU (the replicas' GPUs are checked when the
+        # run starts: they are sized in the Serve config's deployments, not here).
+        if self.weight_sync.backend == "nccl" and not self.trainer.use_gpu:
+            raise ValueError("weight_sync.backend 'nccl' sends weights from the Train job's GPU to the replicas' "
+                             "GPUs: it needs trainer.use_gpu true (and GPUs for the Policy replicas); without GPUs "
+                             "use 'object_store' (the default) or 'gloo'")
         return self
 
     @model_validator(mode="after")

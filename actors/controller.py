@@ -52,6 +52,7 @@ from algorithms import step_group_stats
 
 logger = logging.getLogger("raygent")
 HEARTBEAT_TIMEOUT_S = 120.0  # Serve health-checks the ingress every ~10 s
+GROUP_FAILURES_MAX = 3  # weight-group transfers failed in a row before the run keeps to the object store
 
 
 def _pad_id(model_path: str) -> int:
@@ -108,7 +109,21 @@ class Controller:
         self.phase = "starting"
         self.error: str | None = None
         self.last_metrics: dict[str, Any] = {}
+        # The latest weights in the object store (checkpoints and (re)starting replicas read them) and their version:
+        # every update's with weight_sync.backend object_store; on the collective path (gloo, nccl) the updates go
+        # straight to the replicas and the Train job packs a copy only when one is needed (`_stored_weights`).
         self.latest_weights: Weights | None = None
+        self._stored_version = -1
+        self._sent_version: int | None = None  # the last version sent over a weight group
+        # Held while the Train job's weights change and go out (an update, then its sync): the weights it holds are
+        # of no version until then, so a copy for a new replica is packed only outside it.
+        self._update_lock = asyncio.Lock()
+        self._store_lock = asyncio.Lock()
+        self._weight_store: Any = None  # the TCPStore where weight groups meet (hosted here, for the run)
+        self._group: dict[str, Any] | None = None
+        self._group_key: tuple = ()
+        self.weight_sync_fallbacks = 0
+        self._group_failures = 0  # transfers over the group that failed in a row
         self._base_weights: dict[str, Any] | None = None  # a LoRA run's base model, for merged checkpoints
         self.last_checkpoint: str | None = None
         self.warm_start_done = False
@@ -182,7 +197,7 @@ class Controller:
         checkpoint it wrote (the Train job is gone, and the weights have not changed since)."""
         if self.phase in ("done", "stopped", "failed"):
             return {"checkpoint": self.last_checkpoint, "note": f"the run is {self.phase}: its last checkpoint"}
-        if self.latest_weights is None and self.phase in ("starting", "baseline"):
+        if not self._has_weights() and self.phase in ("starting", "baseline"):
             return {"checkpoint": self.last_checkpoint, "note": "no trained weights yet"}
         waiter = asyncio.get_running_loop().create_future()
         self._checkpoint_waiters.append(waiter)
@@ -235,6 +250,12 @@ class Controller:
         self.template = await asyncio.to_thread(write_model_template, self.local_model,
                                                 self.run_dir / "model_template")
         pad_id = await asyncio.to_thread(_pad_id, self.local_model)
+        if cfg.weight_sync.backend == "nccl":  # before anything starts: NCCL moves GPU memory only
+            without = [i["replica_id"] for i in await self._replica_infos() if not i.get("cuda")]
+            if without:
+                raise RuntimeError(f"weight_sync.backend 'nccl': Policy replicas {without} have no GPU; give the "
+                                   "Policy deployment ray_actor_options num_gpus (or use weight_sync.backend "
+                                   "'object_store')")
         self.env_actors = [self._make_env_actor() for _ in range(cfg.rollout.num_env_actors)]
         await asyncio.gather(*(a.ready.remote() for a in self.env_actors))
         self.pad_id = pad_id
@@ -330,11 +351,34 @@ class Controller:
             self._base_weights = base_model_weights(self.local_model)
         return merge(self._base_weights, tensors, self.cfg.policy.lora.scale)
 
-    def latest_weights_for_replica(self) -> dict[str, Any] | None:
-        """What a (re)starting policy replica loads before it serves: the latest weights and their version."""
-        if self.latest_weights is None:
+    async def latest_weights_for_replica(self) -> dict[str, Any] | None:
+        """What a (re)starting policy replica loads before it serves: the latest weights and their version (None
+        before any). On the collective path the Train job packs them now, after the update under way (if any) has
+        gone out; if that fails, the replica starts behind and the sync check before the next rollout catches it
+        up."""
+        if not self._has_weights():
             return None
+        if self._stored_version != self.version:
+            try:
+                async with self._update_lock:
+                    await asyncio.wait_for(self._stored_weights(), 120)
+            except (asyncio.TimeoutError, TrainerFailure):
+                return None
         return {"version": self.version, "weights": self.latest_weights}
+
+    def _has_weights(self) -> bool:
+        """Whether the run has put weights on the replicas (trained or restored from a checkpoint)."""
+        return self.latest_weights is not None or self._sent_version is not None
+
+    async def _stored_weights(self) -> Weights:
+        """The current version's weights in the object store: those of the last broadcast, or on the collective path
+        packed by the Train job, which holds the current version's weights between updates."""
+        async with self._store_lock:
+            if self.latest_weights is None or self._stored_version != self.version:
+                version = self.version
+                results = await self.trainer.run({"kind": "pack_weights", "want_weights": True})
+                self.latest_weights, self._stored_version = results[0]["weights"], version
+            return self.latest_weights
 
     def _make_env_actor(self):
         cfg = self.cfg
@@ -369,7 +413,7 @@ class Controller:
                 break
             except TrainerFailure as e:
                 await self._recover_trainer(e)
-        if self.latest_weights is not None and self._checkpointed_version != self.version:
+        if self._has_weights() and self._checkpointed_version != self.version:
             await self._checkpoint()  # stopped before any RL iteration: what the warm start made is kept
         await self._answer_checkpoint_requests()
         await self.trainer.stop()
@@ -452,11 +496,13 @@ class Controller:
                        "data/advantage_abs_mean": float(np.abs(summary["advantage"]).mean()),
                        "data/advantage_std": float(summary["advantage"].std()),
                        **self._group_checks(summary)})
-        results = await self.trainer.run({"kind": "rl", "shards": shards, "iteration": it, "want_weights": True,
-                                          "version": self.version, "max_staleness": cfg.rollout.lookahead})
-        t_train = time.perf_counter()
-        record.update({f"train/{k}": v for k, v in results[0]["metrics"].items()})
-        await self._broadcast(results[0]["weights"])
+        async with self._update_lock:
+            results = await self.trainer.run({"kind": "rl", "shards": shards, "iteration": it,
+                                              "want_weights": self._via_object_store, "version": self.version,
+                                              "max_staleness": cfg.rollout.lookahead})
+            t_train = time.perf_counter()
+            record.update({f"train/{k}": v for k, v in results[0]["metrics"].items()})
+            await self._publish(results)
         t_end = time.perf_counter()
         record.update({"weight_version": self.version, "time/rollout_s": roll_end - roll_start,
                        "time/rollout_wait_s": t_rollout - t_start, "time/dataset_s": t_data - t_rollout,
@@ -464,6 +510,7 @@ class Controller:
                        "time/iteration_s": t_end - t_start,
                        "perf/overlap_share": self._overlap(t_data, t_train),
                        "perf/policy_replicas": self.policy_replicas, "perf/replicas_updated": self.replicas_updated,
+                       "faults/weight_sync_fallbacks": self.weight_sync_fallbacks,
                        "faults/drained_rollouts": self.drained_rollouts})
         return record
 
@@ -636,15 +683,95 @@ class Controller:
             infos = [None]
         versions = [i["version"] if isinstance(i, dict) else None for i in infos]
         self.policy_replicas = sum(isinstance(i, dict) for i in infos)
-        if self.latest_weights is not None and any(v != self.version for v in versions):
+        if self._has_weights() and any(v != self.version for v in versions):
             logger.warning("replica versions %s differ from %d: re-broadcasting", versions, self.version)
-            await self._broadcast(self.latest_weights)
+            if self._via_object_store:
+                await self._broadcast(await self._stored_weights())
+            else:
+                async with self._update_lock:
+                    await self._send_over_group()
+
+    @property
+    def _via_object_store(self) -> bool:
+        """Whether updates go through the object store: the configured backend, or the collective one after it
+        failed GROUP_FAILURES_MAX times in a row (each failure costs up to weight_sync.timeout_s)."""
+        return self.cfg.weight_sync.backend == "object_store" or self._group_failures >= GROUP_FAILURES_MAX
+
+    async def _publish(self, results: list[Any]) -> None:
+        """The weights the Train job has just made, to every replica under the next version."""
+        if self._via_object_store:
+            await self._broadcast(results[0]["weights"])
+        else:
+            await self._send_over_group()
+
+    async def _replica_infos(self) -> list[dict[str, Any]]:
+        infos = await asyncio.wait_for(self.policy.broadcast("info").results_async(return_exceptions=True), 120)
+        return [i for i in infos if isinstance(i, dict)]
+
+    def _weight_group(self, members: list[str]) -> dict[str, Any]:
+        """The weight group of this Train job and these replicas: the one formed before, or a new one (a replica
+        came or went, the job restarted, or the last transfer failed). Its members meet at a TCPStore hosted here."""
+        import uuid
+
+        import torch.distributed as dist
+
+        from actors.weights import GroupSpec
+
+        key = (self.trainer.job_id, tuple(members))
+        if self._group is None or self._group_key != key:
+            host = ray.util.get_node_ip_address()
+            if self._weight_store is None:
+                self._weight_store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+            ranks = {replica: rank for rank, replica in enumerate(members, start=1)}
+            self._group = GroupSpec(f"raygent-weights-{uuid.uuid4().hex[:8]}", host, self._weight_store.port,
+                                    self.cfg.weight_sync.backend, self.cfg.weight_sync.timeout_s, ranks).to_dict()
+            self._group_key = key
+        return self._group
+
+    async def _send_over_group(self) -> None:
+        """The collective path (weight_sync.backend gloo / nccl): Train rank 0 broadcasts the weights it holds to
+        every replica's engine under the next version, nothing through the object store. A replica that starts
+        after the group formed is not in it (the next sync check catches it up). A transfer that fails (a member
+        gone, past weight_sync.timeout_s) is counted, and the weights go through the object store instead."""
+        self.version += 1
+        members = sorted(i["replica_id"] for i in await self._replica_infos())
+        group = self._weight_group(members)
+        send = asyncio.ensure_future(self.trainer.run({"kind": "send_weights", "group": group,
+                                                       "version": self.version}))
+        receive = asyncio.ensure_future(asyncio.wait_for(
+            self.policy.broadcast("receive_weights", group, self.version).results_async(return_exceptions=True),
+            self.cfg.weight_sync.timeout_s + 60))
+        await asyncio.wait({send, receive}, return_when=asyncio.FIRST_EXCEPTION)
+        if send.done() and send.exception() is not None:  # the Train job failed: the run restarts it
+            receive.add_done_callback(lambda f: f.exception())  # its members time out on their own
+            raise send.exception()
+        try:
+            received = await receive
+        except asyncio.TimeoutError as e:
+            received = [e]
+        sent = (await send)[0]["metrics"]
+        failed = [r for r in received if isinstance(r, BaseException)]
+        self.replicas_updated = sum(isinstance(r, dict) and r.get("member", False) for r in received)
+        if not sent.get("send_error") and not failed:
+            self._sent_version, self._group_failures = self.version, 0
+            return
+        self._group = None  # its state is unknown: the next transfer forms a new one
+        self.weight_sync_fallbacks += 1
+        self._group_failures += 1
+        self.replica_sync_failures += len(failed)
+        logger.warning("weight version %d over the %s group failed (sender: %s; %d of %d replicas: %s); sending it "
+                       "through the object store%s", self.version, group["backend"], sent.get("send_error", "ok"),
+                       len(failed), len(received), str(failed[0]).splitlines()[0][:200] if failed else "-",
+                       f", and every later update too ({GROUP_FAILURES_MAX} failures in a row)"
+                       if self._via_object_store else "")
+        results = await self.trainer.run({"kind": "pack_weights", "want_weights": True})
+        await self._broadcast(results[0]["weights"])
 
     async def _broadcast(self, weights: Weights) -> None:
         """New weights to every replica under the next version. A replica that fails to take them is logged and
         counted, and stays behind: the next sync check retries it, and until then its rows are dropped as stale."""
         self.version += 1
-        self.latest_weights = weights
+        self.latest_weights, self._stored_version = weights, self.version
         results = await self.policy.broadcast("update_weights", weights, self.version).results_async(
             return_exceptions=True)
         failed = [r for r in results if isinstance(r, BaseException)]
@@ -684,8 +811,9 @@ class Controller:
     async def _write_checkpoint(self) -> Path:
         self.phase = "checkpointing"
         lora = self.cfg.policy.lora
-        tensors = await asyncio.to_thread(self.latest_weights.state_dict)
-        weights = await asyncio.to_thread(self._full_weights, self.latest_weights, tensors)
+        stored = await self._stored_weights()
+        tensors = await asyncio.to_thread(stored.state_dict)
+        weights = await asyncio.to_thread(self._full_weights, stored, tensors)
         adapter = tensors if lora is not None else None
         state = {"iteration": self.iteration, "weight_version": self.version, "seed": self.cfg.seed,
                  "warm_start_done": self.warm_start_done, "run_name": self.cfg.run_name, "time": time.time(),
@@ -743,12 +871,14 @@ class Controller:
         done, first = 0, True
         while done < ws.steps and not self._stop:
             steps = min(ws.eval_every, ws.steps - done)
-            results = await self.trainer.run({"kind": "sft", "shards": shards if first else None, "steps": steps,
-                                              "batch_size": ws.batch_size, "lr": ws.lr, "want_weights": True})
+            async with self._update_lock:
+                results = await self.trainer.run({"kind": "sft", "shards": shards if first else None,
+                                                  "steps": steps, "batch_size": ws.batch_size, "lr": ws.lr,
+                                                  "want_weights": self._via_object_store})
+                await self._publish(results)
             first = False
             done += steps
             bar.update(steps)
-            await self._broadcast(results[0]["weights"])
             val = await self._validate(val_seeds, log=False)
             self._log({"iteration": 0, "phase": "warm_start", "warm_start/step": done,
                        **{f"warm_start/{k}": v for k, v in results[0]["metrics"].items()}, **val})
@@ -766,7 +896,7 @@ class Controller:
         if self.cfg.policy.lora is None:
             card = self.cfg.agent_card(iteration=0, weight_version=self.version, warm_start_done=True,
                                        base_model=self.cfg.policy.model)
-            weights = await asyncio.to_thread(self.latest_weights.state_dict)
+            weights = await asyncio.to_thread((await self._stored_weights()).state_dict)
             self.reference_model = str(save_reference(self.run_dir, weights, self.template, card))
             await self.trainer.run({"kind": "set_reference"})
         self.warm_start_done = True

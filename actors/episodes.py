@@ -16,12 +16,11 @@ never sample alike, and the same (env seed, sampling seed) replays the same epis
 
 from __future__ import annotations
 
-from collections import Counter
-
 import asyncio
 import concurrent.futures
 import functools
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any

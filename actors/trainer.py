@@ -24,7 +24,7 @@ import ray
 
 from actors.config import LoraConfig
 from actors.lora import AdapterOff, adapter_items, add_adapter, decoder_layers
-from actors.weights import WeightPacker, Weights
+from actors.weights import WeightPacker, Weights, join_group, leave_group, send_weights
 
 logger = logging.getLogger("raygent")
 
@@ -147,21 +147,56 @@ def copy_weights(source, target) -> None:
             (r.to_local() if hasattr(r, "to_local") else r).copy_(local)
 
 
+def _weights_to_send(model, strategy: str, adapter_only: bool) -> list[tuple[str, Any]]:
+    """What a sync sends, as this rank holds it: the full weights (a tied head included: engines that reload in
+    place need it) or, with `adapter_only`, the LoRA adapter alone under peft's names; FSDP2 shards as DTensors."""
+    module = model.module if strategy == "ddp" else model
+    state = module.state_dict().items()
+    return list(adapter_items(state) if adapter_only else state)
+
+
+def _gathered(items: list[tuple[str, Any]]):
+    """Each tensor whole, one at a time: under FSDP a gather per parameter (a collective every rank runs in the same
+    order), so no rank ever holds the whole model at once."""
+    for name, value in items:
+        yield name, value.full_tensor() if hasattr(value, "full_tensor") else value
+
+
 def pack_model_weights(model, strategy: str, dtype: str, bucket_bytes: int, rank: int,
                        put: Callable[[Any], Any] = ray.put, adapter_only: bool = False) -> Weights | None:
-    """The full weights, or with `adapter_only` the LoRA adapter alone (peft's names), in `dtype` and in buckets, in
-    the object store (rank 0 returns them; others None). Under FSDP each parameter is gathered on its own (a
-    collective: every rank calls this), so no rank ever holds the whole model at once beyond one bucket. A tied
-    head travels too (engines that reload in place need it)."""
-    module = model.module if strategy == "ddp" else model
+    """The weights to send (`_weights_to_send`) in `dtype` and in buckets, in the object store (rank 0 returns them;
+    others None). Every rank calls this: no rank holds more than one gathered parameter beyond a bucket."""
     packer = WeightPacker(dtype, bucket_bytes, put, kind="adapter" if adapter_only else "full") if rank == 0 else None
-    state = module.state_dict().items()
-    for name, value in (adapter_items(state) if adapter_only else state):
-        full = value.full_tensor() if hasattr(value, "full_tensor") else value
+    for name, full in _gathered(_weights_to_send(model, strategy, adapter_only)):
         if packer is not None:
             packer.add(name, full)
         del full
     return packer.finish() if packer is not None else None
+
+
+def send_model_weights(model, strategy: str, dtype: str, bucket_bytes: int, rank: int, group: dict[str, Any],
+                       version: int, adapter_only: bool = False) -> dict[str, Any]:
+    """The weights to send over the weight group `group` (actors.weights.GroupSpec as a dict), rank 0 sending as its
+    rank 0. Every rank calls this (the gathers are collectives). A failed transfer (a member gone past the group's
+    timeout) is reported, not raised: rank 0 still runs the rest of the gathers so that no rank waits for it, the
+    group is left, and the controller falls back to the object store."""
+    items = _weights_to_send(model, strategy, adapter_only)
+    gathered = _gathered(items)
+    if rank != 0:
+        for _ in gathered:
+            pass
+        return {}
+    started = time.perf_counter()
+    try:
+        sent = send_weights(join_group(group, 0), gathered, [(n, tuple(v.shape)) for n, v in items], dtype,
+                            bucket_bytes, "adapter" if adapter_only else "full", version)
+    except Exception as e:  # a peer's failure (or a lost member): reported to the controller
+        for _ in gathered:
+            pass
+        leave_group()
+        return {"send_error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"}
+    return {"sent_bytes": sent["bytes"], "sent_buckets": sent["buckets"],
+            "send_seconds": time.perf_counter() - started}
 
 
 def save_train_state(model, optimizer, path: str) -> None:
@@ -303,6 +338,11 @@ def train_loop_per_worker(cfg: dict[str, Any]) -> None:
                                        grad_clip=optim.grad_clip, pad_id=pad_id, device=device,
                                        collective=collective, autocast_dtype=autocast_dtype)["sft_loss"])
             metrics = {"sft_loss": float(np.mean(losses))}
+        elif kind == "send_weights":  # the collective path: this version's weights to the replicas' group
+            metrics = send_model_weights(model, strategy, cfg["weights_dtype"], cfg["weights_bucket_bytes"], rank,
+                                         task["group"], task["version"], adapter_only=bool(cfg.get("lora")))
+        elif kind == "pack_weights":  # the weights in the object store (want_weights): checkpoints, new replicas
+            metrics = {}
         elif kind == "reset_optimizer":
             # A new stage (RL after the supervised warm start) starts with fresh Adam moments: the warm start's
             # large-gradient second moments would otherwise shrink RL's first updates by an order of magnitude.

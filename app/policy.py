@@ -26,7 +26,7 @@ from actors.config import PolicyConfig, SamplingConfig
 from actors.lora import write_adapter
 from actors.metrics import quiet_frameworks
 from actors.prompting import encode_chat
-from actors.weights import Weights
+from actors.weights import TransferError, Weights, receive_into
 from app.default_model import resolve_model
 from app.engines import AsyncVLLMEngine, Completion, completion_reply, make_engine
 from app.routing import ROUTER
@@ -136,6 +136,8 @@ class Policy:
         a synchronous engine gets it in a batch of the requests that arrive together."""
         async with self._gate.request():
             version = self.version
+            if self._engine_error is not None:  # e.g. half-loaded weights: never serve them; Serve replaces us
+                raise RuntimeError(f"this replica's engine failed ({self._engine_error}); Serve is replacing it")
             try:
                 if isinstance(self.engine, AsyncVLLMEngine):
                     started = time.perf_counter()
@@ -222,22 +224,71 @@ class Policy:
         return {"replica_id": self.replica_id, "version": version, "seconds": time.perf_counter() - started,
                 "bytes": weights.nbytes}
 
+    async def receive_weights(self, group: dict[str, Any], version: int) -> dict[str, Any]:
+        """The collective path (`weight_sync.backend` gloo / nccl): take weight `version` as a member of the weight
+        group `group` (`actors.weights.GroupSpec`), broadcast by Train rank 0 while this runs. Full weights stream
+        into the engine's own process bucket by bucket as they arrive; an adapter is received here and swapped in
+        as `update_weights` does. The gate works as for `update_weights`. A replica that is not in the group (it
+        started after the group was formed) takes no part; the controller's next sync check catches it up. A
+        transfer that fails after loading began leaves the engine half loaded: the replica refuses requests and
+        reports unhealthy, and Serve replaces it."""
+        rank = group["ranks"].get(self.replica_id)
+        if rank is None:
+            return {"replica_id": self.replica_id, "member": False, "version": self.version}
+        started = time.perf_counter()
+        async with self._gate.update():
+            stale = version <= self.version  # received all the same: the sender waits for every member
+            try:
+                adapter: dict[str, Any] = {}
+                if self.config.lora is None and isinstance(self.engine, AsyncVLLMEngine):
+                    received = await self.engine.receive_weights(group, rank, version, discard=stale)
+                else:
+                    received = await asyncio.to_thread(self._receive_here, group, rank, version, stale, adapter)
+            except TransferError as e:
+                if e.loading_began:
+                    self._engine_error = f"weight transfer failed while loading: {e}"
+                raise RuntimeError(f"weight version {version} over the {group['backend']} group failed: "
+                                   f"{e}") from None
+            if stale:
+                raise ValueError(f"weight version {version} is not newer than the replica's {self.version}")
+            if adapter:  # received whole: swapping it in either works or leaves the previous adapter serving
+                await self._load_adapter(adapter)
+            self.version = version
+        return {"replica_id": self.replica_id, "member": True, "version": version,
+                "seconds": time.perf_counter() - started, "bytes": received}
+
+    def _receive_here(self, group: dict[str, Any], rank: int, version: int, discard: bool,
+                      adapter: dict[str, Any]) -> int:
+        """Receive in this process: the synchronous engines own their model here (each bucket is loaded as it
+        arrives); an adapter is collected into `adapter`, then swapped in from the event loop."""
+
+        def load(header: dict[str, Any], tensors: Any) -> None:
+            if discard:
+                for _ in tensors:
+                    pass
+            elif header["kind"] == "adapter":
+                adapter.update((name, tensor.cpu()) for name, tensor in tensors)
+            else:
+                self.engine.load_weights(tensors)
+
+        return receive_into(group, rank, version, load)
+
     async def _load(self, weights: Weights) -> None:
         if weights.kind == "adapter":
-            await self._load_adapter(weights)
+            await self._load_adapter(weights.state_dict())
         elif isinstance(self.engine, AsyncVLLMEngine):
             await self.engine.load_weights(weights)
         else:
             await asyncio.to_thread(self.engine.load_weights, weights.tensors())
 
-    async def _load_adapter(self, weights: Weights) -> None:
+    async def _load_adapter(self, state: dict[str, Any]) -> None:
         """A LoRA run's update: the adapter alone, written as a folder on this node (the engines load adapters from
         folders), served from now on; the previous folder goes."""
         if self.config.lora is None:
             raise ValueError("adapter weights for a replica without policy.lora")
         folder = tempfile.mkdtemp(prefix="raygent-adapter-")
         try:
-            await asyncio.to_thread(write_adapter, folder, weights.state_dict(), self.config.lora, self.model_path)
+            await asyncio.to_thread(write_adapter, folder, state, self.config.lora, self.model_path)
             if isinstance(self.engine, AsyncVLLMEngine):
                 await self.engine.load_adapter(folder)
             else:
@@ -262,7 +313,8 @@ class Policy:
 
         return {"replica_id": self.replica_id, "pid": os.getpid(), "version": self.version, "engine": self.engine.name,
                 "model_path": self.model_path, "max_model_len": self.config.max_model_len,
-                "torch_threads": torch.get_num_threads(), "prefix_cache": self.engine.prefix_cache()}
+                "torch_threads": torch.get_num_threads(), "prefix_cache": self.engine.prefix_cache(),
+                "cuda": torch.cuda.is_available(), "healthy": self._engine_error is None}
 
 
 def build_policy_app(args: dict[str, Any]) -> serve.Application:

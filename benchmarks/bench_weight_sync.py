@@ -10,7 +10,10 @@ vLLM engine, as Policy replicas do. Variants:
   receivers' engines are in that dtype;
 - `adapter` float32 (a LoRA run, `--lora-rank` on every linear layer of the decoder): the senders hold the model
   with its adapter and pack the adapter alone; each receiver writes it as an adapter folder and swaps it into its
-  vLLM engine (LoRA enabled), as a Policy replica does.
+  vLLM engine (LoRA enabled), as a Policy replica does;
+- `gloo` float32 / bfloat16 (`weight_sync.backend: gloo`, the CPU twin of nccl): no object store; rank 0 broadcasts
+  the same buckets over a weight group whose other members are the receivers, each loading every bucket into its
+  engine as it arrives (`send_model_weights`, `receive_into`), as the Train job and the Policy replicas do.
 Reported per variant: seconds per sync (sender + both receivers; median of repeats after a warm-up), the peak
 memory the sync adds to rank 0 and to a receiver (ru_maxrss of fresh processes, measured over their first sync:
 exact peaks; the object-store pages a process writes or reads count in both variants alike), and the bytes sent.
@@ -18,6 +21,8 @@ Writes benchmarks/results/bench_weight_sync.json.
 
     python benchmarks/bench_weight_sync.py [--repeats 3] [--bucket-mb 64] [--sizes 10M 100M]
     python benchmarks/bench_weight_sync.py --variants bucketed_float32 adapter_float32 --out bench_weight_sync_lora
+    python benchmarks/bench_weight_sync.py --variants bucketed_float32 gloo_float32 bucketed_bfloat16 gloo_bfloat16 \
+        --out bench_weight_sync_gloo
 """
 
 from __future__ import annotations
@@ -48,7 +53,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--bucket-mb", type=int, default=64)
     parser.add_argument("--variants", nargs="+", default=["full_float32", "bucketed_float32", "bucketed_bfloat16"],
-                        help="of full_float32, bucketed_float32, bucketed_bfloat16, adapter_float32")
+                        help="of full_float32, bucketed_float32, bucketed_bfloat16, adapter_float32, gloo_float32, "
+                             "gloo_bfloat16")
     parser.add_argument("--lora-rank", type=int, default=16)
     parser.add_argument("--out", default="bench_weight_sync", help="the results file's name, under results/")
     args = parser.parse_args()
@@ -88,12 +94,18 @@ def main() -> None:
         def params(self) -> int:
             return sum(p.numel() for p in self.model.parameters())
 
-        def send(self, variant: str, dtype: str) -> dict[str, Any]:
+        def send(self, variant: str, dtype: str, group: dict[str, Any] | None = None,
+                 version: int = 0) -> dict[str, Any]:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            from actors.trainer import send_model_weights
 
             self.kept = None
             before, started = peak_mib(), time.perf_counter()
-            if variant == "full":  # the previous path, as actors/trainer.py had it
+            if variant == "gloo":  # over the weight group: nothing in the object store
+                sent = send_model_weights(self.model, "fsdp", dtype, bucket_bytes, self.rank, group, version)
+                assert "send_error" not in sent, sent
+            elif variant == "full":  # the previous path, as actors/trainer.py had it
                 sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True,
                                                                                cpu_offload=True))
                 state = {k: v.detach().float().cpu().numpy() for k, v in sd.items()}
@@ -113,9 +125,14 @@ def main() -> None:
             self.engine = make_engine("vllm", model_path, dtype=dtype, max_model_len=256, kv_cache_bytes=32 * 2**20,
                                       lora=self.lora)
 
-        def take(self, sent: Any) -> dict[str, Any]:
+        def take(self, sent: Any, group: dict[str, Any] | None = None, rank: int = 0,
+                 version: int = 0) -> dict[str, Any]:
+            from actors.weights import receive_into
+
             before, started = peak_mib(), time.perf_counter()
-            if isinstance(sent, list):  # the previous path: the whole dict fetched, then loaded
+            if group is not None:  # a member of the weight group: each bucket into the engine as it arrives
+                receive_into(group, rank, version, lambda header, tensors: self.engine.load_weights(tensors))
+            elif isinstance(sent, list):  # the previous path: the whole dict fetched, then loaded
                 state = ray.get(sent[0])
                 self.engine.load_weights([(k, torch.from_numpy(v)) for k, v in state.items()])
                 del state
@@ -126,6 +143,29 @@ def main() -> None:
             else:
                 self.engine.load_weights(sent.tensors())
             return {"seconds": time.perf_counter() - started, "peak_added_mib": peak_mib() - before}
+
+    store = None
+
+    def weight_group(receivers: int) -> dict[str, Any]:
+        """A weight group hosted here (as the controller hosts it): rank 0 the sender, then the receivers."""
+        import uuid
+
+        import torch.distributed as dist
+
+        from actors.weights import GroupSpec
+
+        nonlocal store
+        if store is None:
+            store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        return GroupSpec(f"bench-{uuid.uuid4().hex[:6]}", "127.0.0.1", store.port, "gloo", 300.0,
+                         {f"receiver-{k}": k for k in range(1, receivers + 1)}).to_dict()
+
+    def sent_size(variant: str, sent: Any, dtype: str, bucket: int) -> dict[str, int]:
+        if variant == "full":
+            return {"bytes": sum(v.nbytes for v in ray.get(sent[0]).values()), "buckets": 1}
+        if variant == "gloo":
+            return {"bytes": sent["sent_bytes"], "buckets": sent["sent_buckets"]}
+        return {"bytes": sent.nbytes, "buckets": len(sent.buckets)}
 
     results: dict[str, Any] = {"bucket_mb": args.bucket_mb, "repeats": args.repeats, "receivers": 2,
                                "engine": "vllm", "machine_cpus": os.cpu_count()}
@@ -141,18 +181,22 @@ def main() -> None:
             receivers = [Receiver.remote(model_path, dtype, lora) for _ in range(2)]
             params = ray.get(ranks[0].params.remote())  # a DTensor counts its global elements
             ray.get([r.__ray_ready__.remote() for r in receivers])
+            group = weight_group(len(receivers)) if variant == "gloo" else None
             runs = []
-            for _ in range(args.repeats + 1):
+            for version in range(1, args.repeats + 2):
                 started = time.perf_counter()
-                sent = ray.get([r.send.remote(variant, dtype) for r in ranks])
-                took = ray.get([r.take.remote(sent[0]["sent"]) for r in receivers])
+                if group is not None:  # sender and receivers at once: they meet in the broadcasts
+                    sending = [r.send.remote(variant, dtype, group, version) for r in ranks]
+                    took = ray.get([r.take.remote(None, group, k, version) for k, r in enumerate(receivers, 1)])
+                    sent = ray.get(sending)
+                else:
+                    sent = ray.get([r.send.remote(variant, dtype) for r in ranks])
+                    took = ray.get([r.take.remote(sent[0]["sent"]) for r in receivers])
                 runs.append({"sync_s": time.perf_counter() - started, "sender_s": sent[0]["seconds"],
                              "receiver_s": max(t["seconds"] for t in took),
                              "rank0_peak_added_mib": sent[0]["peak_added_mib"],
                              "receiver_peak_added_mib": max(t["peak_added_mib"] for t in took),
-                             "bytes": (sum(v.nbytes for v in ray.get(sent[0]["sent"][0]).values())
-                                       if variant == "full" else sent[0]["sent"].nbytes),
-                             "buckets": 1 if variant == "full" else len(sent[0]["sent"].buckets)})
+                             **sent_size(variant, sent[0]["sent"], dtype, bucket_bytes)})
                 del sent
             timed = runs[1:]  # the first sync warms up; its peaks are the processes' first (exact) ones
             out[name] = {"sync_s": statistics.median(r["sync_s"] for r in timed),

@@ -10,6 +10,10 @@ refuses two ranks on one GPU. So this runs torch-level, and runs the project's o
 - the weight sync: the state dict packed in bf16 into buckets by `actors.weights.WeightPacker` (the format the
   replicas read), each bucket moved to the device once, then copied into a second model copy in this process and,
   through CUDA IPC, into one in a second process: seconds, bytes, and that each copy equals the source;
+- the collective weight path's sender (`weight_sync.backend: nccl`; gloo on CPU): `actors.weights.send_weights` of
+  the FSDP2 model's gathered parameters in bf16 buckets over a weight group built from a TCPStore, as Train rank
+  0 sends them; one member only (NCCL refuses two ranks on one GPU), so this checks the group's construction on
+  this torch build and times the on-device packing, not a transfer;
 - transformers `generate` (greedy) on the copy that received the weights, as a stand-in engine: tokens/s.
 Models are random-weight `Qwen2ForCausalLM`s built here (no hub): 0.5b and 1.5b on CUDA, `tiny` on CPU, where the
 parts that need CUDA are recorded as skipped with the reason (the IPC path then runs over CPU shared memory).
@@ -372,6 +376,30 @@ def transfer(model: torch.nn.Module, config: dict[str, Any], device: torch.devic
             proc.join(timeout=10)
 
 
+def weight_group_send(model: torch.nn.Module, device: torch.device, bucket_bytes: int) -> dict[str, Any]:
+    """The sender's side of the collective weight path, on a group of one (NCCL on CUDA, gloo on CPU)."""
+    import torch.distributed as dist
+
+    from actors.weights import GroupSpec, join_group, leave_group, send_weights
+
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    t0 = time.perf_counter()
+    group = join_group(GroupSpec("gpu-check", "127.0.0.1", store.port, backend, 120.0), 0)
+    join_s = time.perf_counter() - t0
+    items = list(model.state_dict().items())
+    sync(device)
+    t0 = time.perf_counter()
+    sent = send_weights(group, full_state(model), [(name, tuple(v.shape)) for name, v in items], "bfloat16",
+                        bucket_bytes, "full", 1)
+    sync(device)
+    send_s = time.perf_counter() - t0
+    leave_group()
+    return {"backend": backend, "members": 1, "join_s": join_s, "send_s": send_s, **sent,
+            "what": "actors.weights.send_weights: gathers, bf16 buckets packed on the group's device, broadcast "
+                    "to a group of one (no receiver: NCCL refuses two ranks on one GPU)"}
+
+
 # ---- generation -------------------------------------------------------------------------------------------------
 def generation(model: torch.nn.Module, vocab: int, batches: list[int], prompt_len: int, new_tokens: int,
                device: torch.device) -> dict[str, Any]:
@@ -465,6 +493,8 @@ def check_size(check: Check, size: str, device: torch.device, args: argparse.Nam
     if device.type != "cuda":
         check.skip(size, "bf16_mixed_precision", "CUDA only here: on CPU the step computes in float32 over gloo")
     if "model" in state:
+        check.part(size, "weight_group_send", lambda: weight_group_send(state["model"], device,
+                                                                         args.bucket_mb * 2**20))
         target = check.part(size, "transfer", lambda: transfer(
             state["model"], config, device, args.bucket_mb * 2**20, args.ipc_timeout_s,
             lambda part, reason: check.skip(size, part, reason)))

@@ -44,6 +44,9 @@ def test_cpu_smoke_run_reports_every_part(tmp_path):
     assert move["cpu_shared_memory"]["equal"] and move["cpu_shared_memory"]["seconds"] > 0
     assert move["bytes"] > 0 and move["buckets"] >= 1 and move["pack_s"] > 0
 
+    group = tiny["weight_group_send"]  # the collective path's sender (gloo here, nccl on a GPU)
+    assert group["backend"] == "gloo" and group["bytes"] >= move["bytes"] and group["send_s"] > 0
+
     gen = tiny["generation"]
     (batch,) = report["settings"]["gen_batches"]
     assert gen[f"batch_{batch}"]["tokens_per_s"] > 0

@@ -393,6 +393,142 @@ def test_update_waits_for_requests_in_flight_and_versions_every_reply(policies, 
     assert late.result()[0]["weight_version"] == start + 1
 
 
+class Sender:
+    """The test process as a weight group's rank 0 (Train rank 0's part): the group's TCPStore, and a transfer
+    sent from a thread while the replicas receive."""
+
+    def __init__(self, handle, timeout_s: float = 60.0, extra_members: int = 0):
+        import uuid
+
+        import torch.distributed as dist
+
+        from actors.weights import GroupSpec
+
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        replicas = sorted(i["replica_id"] for i in handle.broadcast("info").results())
+        replicas += [f"ghost-{k}" for k in range(extra_members)]  # members that never come
+        self.spec = GroupSpec(f"test-{uuid.uuid4().hex[:6]}", "127.0.0.1", self.store.port, "gloo", timeout_s,
+                              {r: k for k, r in enumerate(replicas, start=1)})
+
+    def transfer(self, handle, tensors: dict, version: int, kind: str = "full", bucket: int = 64 * 1024,
+                 stop_after: int | None = None) -> tuple[list, dict]:
+        """Receive on every replica while this process sends `tensors` as `version`; (the replicas' answers or
+        errors, what the sender saw). `stop_after`: the sender dies after that many tensors."""
+        from actors.weights import join_group, leave_group, send_weights
+
+        sent: dict = {}
+        items = list(tensors.items())
+
+        def stream():
+            for k, item in enumerate(items):
+                if stop_after is not None and k == stop_after:
+                    raise RuntimeError("the sender died")
+                yield item
+
+        def send() -> None:
+            try:
+                sent.update(send_weights(join_group(self.spec, 0), stream(),
+                                         [(n, tuple(t.shape)) for n, t in items], "float32", bucket, kind, version))
+            except Exception as e:
+                sent["error"] = str(e)
+                leave_group()
+
+        thread = threading.Thread(target=send)
+        thread.start()
+        answers = handle.broadcast("receive_weights", self.spec.to_dict(), version).results(return_exceptions=True)
+        thread.join(timeout=120)
+        return answers, sent
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_weights_broadcast_over_a_gloo_group_reach_every_replica_and_restore(policies, default_model, engine):
+    """The collective path (`weight_sync.backend: gloo`, the CPU twin of nccl): a sender broadcasts buckets over a
+    weight group whose members are the replicas' engine processes (the async engine's core process itself). Every
+    replica serves the new weights (log-probs of a forward pass with them, the tied head included) under the new
+    version; a second transfer over the same group restores the replies exactly."""
+    from transformers import AutoModelForCausalLM
+
+    handle = policies[engine]
+    original = {k: torch.from_numpy(v) for k, v in load_file(f"{default_model}/model.safetensors").items()}
+    g = torch.Generator().manual_seed(3)
+    perturbed = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in original.items()}
+    before = handle.generate.remote([CHAT], SAMPLING).result()[0]
+    start = max(i["version"] for i in handle.broadcast("info").results())
+    sender = Sender(handle)
+
+    answers, sent = sender.transfer(handle, perturbed, start + 1)
+    assert "error" not in sent and all(a["member"] and a["bytes"] == sent["bytes"] for a in answers), (answers, sent)
+    assert {i["version"] for i in handle.broadcast("info").results()} == {start + 1}
+    changed = handle.generate.remote([CHAT], SAMPLING).result()[0]
+    assert changed["weight_version"] == start + 1
+    new_model = AutoModelForCausalLM.from_pretrained(default_model, dtype=torch.float32).eval()
+    new_model.load_state_dict(perturbed, strict=False)
+    new_model.tie_weights()
+    np.testing.assert_allclose(changed["logprobs"], forward_logprobs(new_model, changed["prompt_token_ids"],
+                                                                     changed["token_ids"]), atol=LOGPROB_TOLERANCE)
+
+    answers, sent = sender.transfer(handle, original, start + 2)  # the same group, formed once
+    assert "error" not in sent and all(a["version"] == start + 2 for a in answers), answers
+    restored = handle.generate.remote([CHAT], SAMPLING).result()[0]
+    assert restored["weight_version"] == start + 2 and restored["token_ids"] == before["token_ids"]
+    np.testing.assert_allclose(restored["logprobs"], before["logprobs"], atol=1e-5)
+
+
+def test_a_gloo_transfer_that_fails_before_loading_keeps_the_replica_serving(policies, default_model):
+    """A group with a member that never comes: the transfer fails on the sender and on every replica within the
+    group's timeout, before anything reaches the engines, so the replicas stay healthy on their weights and
+    version and answer the next request."""
+    handle = policies["hf"]
+    original = {k: torch.from_numpy(v) for k, v in load_file(f"{default_model}/model.safetensors").items()}
+    start = handle.info.remote().result()["version"]
+    before = handle.generate.remote([CHAT], SAMPLING).result()[0]
+    answers, sent = Sender(handle, timeout_s=5.0, extra_members=1).transfer(handle, original, start + 1)
+    assert "error" in sent
+    assert all(isinstance(a, Exception) and "group failed" in str(a) for a in answers), answers
+    info = handle.info.remote().result()
+    assert info["version"] == start and info["healthy"]
+    again = handle.generate.remote([CHAT], SAMPLING).result()[0]
+    assert again["token_ids"] == before["token_ids"] and again["weight_version"] == start
+
+
+def test_a_gloo_transfer_that_dies_while_loading_takes_the_replica_out_of_service(serve_url, default_model):
+    """The sender dies after the first buckets: the replica's engine holds half old, half new weights. It must
+    never serve them: it refuses requests at once and reports unhealthy (Serve replaces it, and the replacement
+    syncs from the run). Its own deployment: Serve replaces the replica."""
+    from ray import serve
+
+    from app.policy import Policy
+
+    handle = serve.run(Policy.options(num_replicas=1, health_check_period_s=600).bind(
+        {"model": default_model, "engine": "vllm"}), name="policy-half-loaded", route_prefix=None)
+    try:
+        original = {k: torch.from_numpy(v) for k, v in load_file(f"{default_model}/model.safetensors").items()}
+        answers, sent = Sender(handle, timeout_s=5.0).transfer(handle, original, 1, bucket=4096, stop_after=3)
+        assert sent["error"] == "the sender died"
+        assert isinstance(answers[0], Exception) and "group failed" in str(answers[0]), answers
+        info = handle.info.remote().result()
+        assert not info["healthy"] and info["version"] == 0
+        with pytest.raises(RuntimeError, match="engine failed.*weight transfer failed while loading"):
+            handle.generate.remote([CHAT], SAMPLING).result()
+    finally:
+        serve.delete("policy-half-loaded")
+
+
+@pytest.mark.parametrize("engine", ["vllm-async", "hf"])
+def test_a_lora_adapter_over_a_gloo_group_is_served_as_base_plus_adapter(lora_policies, default_model, engine):
+    """A LoRA run on the collective path: only the adapter travels over the group (received in the replica process,
+    written as a folder and swapped in, for the async engine too); the replica serves base + adapter."""
+    handle = lora_policies[engine]
+    model, adapter = _trained_adapter(default_model, seed=5)
+    start = handle.info.remote().result()["version"]
+    answers, sent = Sender(handle).transfer(handle, adapter, start + 1, kind="adapter")
+    assert "error" not in sent and answers[0]["version"] == start + 1, answers
+    reply = handle.generate.remote([CHAT], SAMPLING).result()[0]
+    assert reply["weight_version"] == start + 1
+    np.testing.assert_allclose(reply["logprobs"], forward_logprobs(model, reply["prompt_token_ids"],
+                                                                   reply["token_ids"]), atol=LOGPROB_TOLERANCE)
+
+
 def test_async_engine_process_goes_with_its_replica(policies):
     """The async engine's core is a child process of the replica: a replica killed by PID takes it along (no
     orphan holding the model and a core), and Serve's new replica serves with a new one. Last in the file: it

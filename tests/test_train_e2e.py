@@ -266,6 +266,50 @@ def test_async_rollout_bounds_staleness_survives_kills_and_stops_with_a_checkpoi
         "the killed actor's groups were neither redone nor counted"
 
 
+def test_weights_travel_over_a_gloo_group_from_the_train_job_to_the_replicas(ray_cluster, serve_url, tmp_path):
+    """`weight_sync.backend: gloo` from `serve run`: every update (the warm start's too) goes from Train rank 0 to
+    the replicas over a weight group, not through the object store; the replicas then hold exactly the trainer's
+    weights (the trainer's log-probs of the sampled replies are the engine's). A replica killed mid-run is
+    replaced and its replacement syncs (the Train job packs the weights on demand); the checkpoints, written from
+    weights the Train job packs when asked, hold what the replicas served."""
+    from ray import serve
+
+    address = ray_cluster.get_runtime_context().gcs_address
+    port = int(serve_url.rsplit(":", 1)[1])
+    serve.delete("train")
+    config = training_config(REPO / "serve_configs" / "test_tiny.yaml", tmp_path / "config.yaml", port,
+                             tmp_path / "runs", run_name="e2e-gloo", iterations=3,
+                             weight_sync={"backend": "gloo", "timeout_s": 20},
+                             checkpoint={"every": 2, "keep": 2, "resume": "never"})
+    run = ServeRun(config, tmp_path / "run.log", address)
+    try:
+        wait_for(lambda: get_status(serve_url)["phase"] == "rollout" or get_status(serve_url)["done"], 900,
+                 "the first rollout", run)
+        kill_one("ray::ServeReplica:train:Policy")
+        status = wait_for(lambda: (s := get_status(serve_url))["done"] and s, 900, "the run to finish", run)
+        policy = serve.get_deployment_handle("Policy", app_name="train")
+        # the replacement may come up after the run's last update: it syncs all the same
+        infos = wait_for(lambda: len(i := policy.broadcast("info").results()) == 2 and i, 300, "two replicas", run)
+    finally:
+        run.stop()
+    assert status["phase"] == "done" and status["iteration"] == 3, status
+    assert {i["version"] for i in infos} == {status["weight_version"]} and len(infos) == 2, infos
+    history = [json.loads(line) for line in (tmp_path / "runs" / "e2e-gloo" / "metrics.jsonl").read_text()
+               .splitlines() if line.strip()]
+    train = [r for r in history if r.get("phase") == "train"]
+    assert [r["iteration"] for r in train] == [1, 2, 3]
+    # every rollout sampled from the trainer's own weights: they came over the group (or, after a failed transfer,
+    # through the object store, counted)
+    assert all(r["train/rollout_trainer_logprob_gap"] < 1e-3 for r in train), \
+        [r["train/rollout_trainer_logprob_gap"] for r in train]
+    fallbacks = train[-1]["faults/weight_sync_fallbacks"]
+    log = run.log.read_text()
+    assert log.count("through the object store") == fallbacks, log[-3000:]
+    assert "synced to the run's weight version" in log, "the replacement replica did not sync"
+    checkpoint = Path(status["last_checkpoint"])
+    assert checkpoint.name == "iter_000003" and (checkpoint / "model" / "model.safetensors").exists()
+
+
 def test_a_full_checkpoint_disk_keeps_the_last_checkpoint_and_the_run_goes_on(tmp_path):
     """The run's checkpoint folder is a 256 MB tmpfs that fills up after the first checkpoint, inside a private
     mount namespace (CI runs as root: chmod cannot refuse a write). The run has its own Ray cluster in that

@@ -9,7 +9,7 @@ import torch
 import torch.multiprocessing as mp
 
 from actors.weights import Weights, pack_weights
-from tests.update_helpers import build_model, free_port, packed_weights_on_ranks
+from tests.update_helpers import build_model, free_port, packed_weights_on_ranks, weight_group_member
 
 KIB = 1024
 
@@ -96,3 +96,95 @@ def test_two_fsdp_ranks_pack_every_parameter_gathered(tmp_path):
     assert len(packed["bucket_bytes"]) > 1
     assert all(n <= bucket or k == 1 for n, k in zip(packed["bucket_bytes"], packed["entries"], strict=True))
     assert np.sum(packed["bucket_bytes"]) >= sum(t.numel() * 4 for t in expected.values())
+
+
+def test_the_collective_layout_is_the_packers():
+    """The bucket table a collective sender announces before it gathers anything is the one the object-store packer
+    fills: the same entries and offsets, bucket by bucket."""
+    from actors.weights import bucket_layout
+
+    sd = state_dict()
+    for dtype in ("float32", "bfloat16"):
+        weights = pack_weights(sd.items(), dtype, 4 * KIB)
+        layout = bucket_layout([(k, tuple(v.shape)) for k, v in sd.items()], dtype, 4 * KIB)
+        assert [(list(b.entries), b.nbytes) for b in weights.buckets] == layout
+
+
+def _group(timeout_s: float, receivers: int):
+    import uuid
+
+    import torch.distributed as dist
+
+    from actors.weights import GroupSpec
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    spec = GroupSpec(f"test-{uuid.uuid4().hex[:6]}", "127.0.0.1", store.port, "gloo", timeout_s,
+                     {f"replica-{i}": i + 1 for i in range(receivers)})
+    return store, spec
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_two_fsdp_ranks_broadcast_the_weights_to_every_replica_over_gloo(tmp_path, dtype):
+    """The collective path end to end in processes: 2 FSDP2 ranks gather one parameter at a time and rank 0
+    broadcasts the buckets over a gloo weight group; two receivers get every weight, in the dtype sent, equal to
+    the model's (the tied head included), and the header they read names the version."""
+    from safetensors.torch import load_file
+
+    folder = build_model(tmp_path / "policy")
+    store, spec = _group(30.0, receivers=2)
+    out = str(tmp_path / "member{}.pt")
+    mp.start_processes(weight_group_member, args=(spec.to_dict(), free_port(), str(folder), dtype, 8 * KIB, out),
+                       nprocs=4, start_method="spawn")
+    sender = torch.load(out.format(0))
+    expected = load_file(str(folder / "model.safetensors"))
+    expected["lm_head.weight"] = expected["model.embed_tokens.weight"]
+    total = sum(t.numel() for t in expected.values()) * (4 if dtype == "float32" else 2)
+    assert "send_error" not in sender and total <= sender["sent_bytes"] < total + 64 * 64
+    for index in (2, 3):
+        got = torch.load(out.format(index))
+        assert got["header"] == {"dtype": dtype, "kind": "full", "version": 7}
+        assert got["bytes"] == sender["sent_bytes"]
+        assert set(got["tensors"]) == set(expected)
+        for name, t in expected.items():
+            assert got["tensors"][name].dtype == getattr(torch, dtype)
+            assert torch.equal(got["tensors"][name], t.to(getattr(torch, dtype))), name
+
+
+@pytest.mark.slow
+def test_a_missing_member_or_a_sender_that_dies_fails_the_transfer_on_every_member_within_the_timeout(tmp_path):
+    """A group that waits for a member that never comes: the sender reports the failure (it does not raise: the
+    Train job goes on, its other rank still finishes the gathers), the receivers raise with nothing loaded, all
+    within the group's timeout. A sender that dies after one bucket: the receivers fail with loading begun (their
+    engine is half loaded and must not serve)."""
+    import time
+
+    folder = build_model(tmp_path / "policy")
+    out = str(tmp_path / "missing{}.pt")
+    store, spec = _group(3.0, receivers=3)  # rank 3 never joins
+    started = time.monotonic()
+    mp.start_processes(weight_group_member, args=(spec.to_dict(), free_port(), str(folder), "float32", 8 * KIB, out),
+                       nprocs=4, start_method="spawn")
+    assert time.monotonic() - started < 60
+    assert "send_error" in torch.load(out.format(0))
+    for index in (2, 3):
+        got = torch.load(out.format(index))
+        assert got["loading_began"] is False and not got["tensors"], got
+
+    out = str(tmp_path / "dies{}.pt")
+    store, spec = _group(10.0, receivers=2)  # the members meet; the receivers then wait 10 s for the next bucket
+    mp.start_processes(weight_group_member, args=(spec.to_dict(), free_port(), str(folder), "float32", 1 * KIB, out,
+                                                  True), nprocs=4, start_method="spawn")
+    assert torch.load(out.format(0))["error"] == "the sender died"
+    for index in (2, 3):
+        got = torch.load(out.format(index))
+        assert got["loading_began"] is True and got["tensors"], got  # the first bucket arrived, then nothing
+
+
+def test_nccl_without_a_gpu_is_refused_with_what_to_change():
+    from actors.weights import group_device
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(RuntimeError, match="no CUDA device.*trainer.use_gpu.*object_store"):
+        group_device("nccl")

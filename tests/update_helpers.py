@@ -242,3 +242,61 @@ def lora_steps_on_ranks(rank: int, world: int, port: int | None, folder: str, ro
                                                                                                 "float32")}
             torch.save({"adapter": adapter, "kind": weights.kind, "params": params,
                         "trainable": [n for n, p in model.named_parameters() if p.requires_grad]}, out)
+
+
+def weight_group_member(index: int, spec: dict[str, Any], fsdp_port: int, folder: str, dtype: str, bucket_bytes: int,
+                        out: str, fail_after_first_bucket: bool = False) -> None:
+    """One process of a collective weight sync: indices 0 and 1 are the ranks of a 2-rank FSDP2 model of `folder`
+    (rank 0 sends it over the weight group `spec` as the Train job does, `send_model_weights`); every later index
+    is a replica's engine process, receiving as weight-group rank index - 1 (`receive_into`). Each process saves
+    what it saw to `out` formatted with its index. With `fail_after_first_bucket` the sender stops after one bucket
+    (as a Train job that died mid-transfer)."""
+    import torch.distributed as dist
+
+    from actors.trainer import _load_model, send_model_weights
+    from actors.weights import TransferError, join_group, receive_into, send_weights
+
+    torch.set_num_threads(1)
+    result: dict[str, Any] = {}
+    if index < 2:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{fsdp_port}", rank=index, world_size=2)
+        try:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            model = _load_model(folder, torch.device("cpu"), "fsdp", init_device_mesh("cpu", (2,)), {},
+                                trainable=True)
+            if fail_after_first_bucket:
+                if index == 0:
+                    state = model.state_dict()
+                    items = [(n, v.full_tensor()) for n, v in state.items()]
+
+                    def dies():
+                        yield from items[:1]
+                        raise RuntimeError("the sender died")
+
+                    try:
+                        send_weights(join_group(spec, 0), dies(), [(n, tuple(v.shape)) for n, v in items], dtype,
+                                     bucket_bytes, "full", 7)
+                    except RuntimeError as e:
+                        result["error"] = str(e)
+                else:
+                    for v in model.state_dict().values():
+                        v.full_tensor()
+            else:
+                result = send_model_weights(model, "fsdp", dtype, bucket_bytes, index, spec, 7)
+        finally:
+            dist.destroy_process_group()
+    else:
+        got: dict[str, torch.Tensor] = {}
+
+        def load(header, tensors):
+            result["header"] = {k: header[k] for k in ("dtype", "kind", "version")}
+            for name, t in tensors:
+                got[name] = t.clone()
+
+        try:
+            result["bytes"] = receive_into(spec, index - 1, 7, load)
+        except TransferError as e:
+            result.update(error=str(e), loading_began=e.loading_began)
+        result["tensors"] = got
+    torch.save(result, out.format(index))
