@@ -456,6 +456,11 @@ class TrainConfig(_Section):
             raise ValueError("weight_sync.backend 'nccl' sends weights from the Train job's GPU to the replicas' "
                              "GPUs: it needs trainer.use_gpu true (and GPUs for the Policy replicas); without GPUs "
                              "use 'object_store' (the default) or 'gloo'")
+        # a transfer that waits on a lost member must give up before the Train job's task deadline ends the job
+        if self.weight_sync.backend != "object_store" and self.weight_sync.timeout_s * 4 > self.trainer.task_timeout_s:
+            raise ValueError(f"weight_sync.timeout_s {self.weight_sync.timeout_s} must be at most a quarter of "
+                             f"trainer.task_timeout_s {self.trainer.task_timeout_s} (a failed transfer waits up to "
+                             "twice its timeout before the sender gives up)")
         return self
 
     @model_validator(mode="after")

@@ -52,6 +52,7 @@ from algorithms import step_group_stats
 
 logger = logging.getLogger("raygent")
 HEARTBEAT_TIMEOUT_S = 120.0  # Serve health-checks the ingress every ~10 s
+BROADCAST_TIMEOUT_S = 900.0  # an object-store update of every replica (requests in flight finish first)
 GROUP_FAILURES_MAX = 3  # weight-group transfers failed in a row before the run keeps to the object store
 
 
@@ -75,6 +76,24 @@ def _setup_logging() -> None:
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
         logger.propagate = False
+
+
+def _serve_on_policy() -> str:
+    """What Serve says about the Policy deployment's replicas (why they are not running), or that it says nothing."""
+    from ray import serve
+
+    try:
+        for app in serve.status().applications.values():
+            deployment = app.deployments.get("Policy")
+            if deployment is not None and deployment.message:
+                return f"Serve says: {deployment.message}"
+    except Exception as e:
+        return f"Serve's status is not available ({_why(e)})"
+    return "Serve gives no reason (see the Serve log)"
+
+
+def _why(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
 
 
 def overlap_share(spans: list[list[float | None]], start: float, end: float) -> float:
@@ -263,12 +282,31 @@ class Controller:
         # controller started again by the health check resumes from the latest checkpoint).
         self.trainer = self._make_trainer(self._train_model(self.resume_from), self.resume_from)
         await asyncio.to_thread(self.trainer.start)
+        await self._wait_for_replicas()
         # The replicas start from `model_path` under the version it was saved with (the training app passes the
         # resumed weight version as policy.initial_version); replicas that outlived an earlier controller of
         # this run hold later weights: they get the checkpoint's again, under a version above theirs.
         self._checkpointed_version = self.version
         if self.resume_from is not None:
             await self._restore_replicas(self.resume_from)
+
+    async def _wait_for_replicas(self) -> None:
+        """A Policy replica answers before the run goes on, or the run fails within rollout.policy_timeout_s with
+        Serve's own word on why (e.g. the resources each replica asks for, which no node has), instead of every
+        rollout waiting for replicas that never start."""
+        deadline = time.monotonic() + self.cfg.rollout.policy_timeout_s
+        while True:
+            try:
+                if await self._replica_infos():
+                    return
+            except Exception:  # none running yet (Serve may say so with an error)
+                pass
+            if time.monotonic() > deadline:
+                reason = await asyncio.to_thread(_serve_on_policy)
+                raise RuntimeError(f"no Policy replica answered within rollout.policy_timeout_s "
+                                   f"({self.cfg.rollout.policy_timeout_s:.0f}s): {reason}; check the Policy "
+                                   "deployment's ray_actor_options (resources, num_gpus) against the cluster's nodes")
+            await asyncio.sleep(2.0)
 
     def _train_model(self, checkpoint: Path | None) -> str:
         """The HF folder a Train job starts from: the checkpoint's model, or the starting one. A LoRA run's job
@@ -298,7 +336,12 @@ class Controller:
     async def _recover_trainer(self, error: TrainerFailure) -> None:
         """The Train job failed or hung: start a new one from the last checkpoint (model and optimizer), roll the
         run back to that checkpoint's iteration (its metrics after it are cut, the iterations are redone) and put
-        its weights on every replica under a new, higher version."""
+        its weights (without a checkpoint: the starting ones, as the new job holds them) on every replica under a
+        new, higher version. Under the update lock: until then no weights of the run have a version."""
+        async with self._update_lock:
+            await self._restart_trainer(error)
+
+    async def _restart_trainer(self, error: TrainerFailure) -> None:
         self.restarts += 1
         if self.restarts > self.cfg.trainer.max_restarts:
             raise RuntimeError(f"the Train job failed {self.restarts} times (trainer.max_restarts "
@@ -317,6 +360,11 @@ class Controller:
         await asyncio.to_thread(self.trainer.start)
         if checkpoint is not None:  # the lost job owned the latest weights: the checkpoint's, owned here
             await self._restore_replicas(checkpoint, always=True)
+        elif self._has_weights():  # the replicas may hold the lost job's weights: the new job's go out instead
+            results = await self.trainer.run({"kind": "pack_weights", "want_weights": True})
+            infos = await self.policy.broadcast("info").results_async(return_exceptions=True)
+            self.version = max([self.version, *(i["version"] for i in infos if isinstance(i, dict))])
+            await self._broadcast(results[0]["weights"])
         self._log({"iteration": self.iteration, "phase": "fault", "faults/trainer_restarts": self.restarts,
                    "faults/restored_from": str(checkpoint) if checkpoint else None})
 
@@ -359,11 +407,13 @@ class Controller:
         if not self._has_weights():
             return None
         if self._stored_version != self.version:
-            try:
+            try:  # no deadline here: the replica has its own, and a pack left half-awaited would pin its copy
                 async with self._update_lock:
-                    await asyncio.wait_for(self._stored_weights(), 120)
-            except (asyncio.TimeoutError, TrainerFailure):
+                    await self._stored_weights()
+            except TrainerFailure:
                 return None
+        if self.latest_weights is None or self._stored_version != self.version:
+            return None
         return {"version": self.version, "weights": self.latest_weights}
 
     def _has_weights(self) -> bool:
@@ -377,7 +427,8 @@ class Controller:
             if self.latest_weights is None or self._stored_version != self.version:
                 version = self.version
                 results = await self.trainer.run({"kind": "pack_weights", "want_weights": True})
-                self.latest_weights, self._stored_version = results[0]["weights"], version
+                if self.version == version:  # else a restore or broadcast has put newer ones there meanwhile
+                    self.latest_weights, self._stored_version = results[0]["weights"], version
             return self.latest_weights
 
     def _make_env_actor(self):
@@ -412,7 +463,13 @@ class Controller:
                 await self._train(val_seeds)
                 break
             except TrainerFailure as e:
-                await self._recover_trainer(e)
+                failure: TrainerFailure | None = e
+                while failure is not None:  # a new job that fails at once is restarted too (max_restarts bounds it)
+                    try:
+                        await self._recover_trainer(failure)
+                        failure = None
+                    except TrainerFailure as again:
+                        failure = again
         if self._has_weights() and self._checkpointed_version != self.version:
             await self._checkpoint()  # stopped before any RL iteration: what the warm start made is kept
         await self._answer_checkpoint_requests()
@@ -683,7 +740,7 @@ class Controller:
             infos = [None]
         versions = [i["version"] if isinstance(i, dict) else None for i in infos]
         self.policy_replicas = sum(isinstance(i, dict) for i in infos)
-        if self._has_weights() and any(v != self.version for v in versions):
+        if self._has_weights() and any(v is not None and v != self.version for v in versions):
             logger.warning("replica versions %s differ from %d: re-broadcasting", versions, self.version)
             if self._via_object_store:
                 await self._broadcast(await self._stored_weights())
@@ -732,54 +789,77 @@ class Controller:
         """The collective path (weight_sync.backend gloo / nccl): Train rank 0 broadcasts the weights it holds to
         every replica's engine under the next version, nothing through the object store. A replica that starts
         after the group formed is not in it (the next sync check catches it up). A transfer that fails (a member
-        gone, past weight_sync.timeout_s) is counted, and the weights go through the object store instead."""
-        self.version += 1
-        members = sorted(i["replica_id"] for i in await self._replica_infos())
-        group = self._weight_group(members)
-        send = asyncio.ensure_future(self.trainer.run({"kind": "send_weights", "group": group,
-                                                       "version": self.version}))
-        receive = asyncio.ensure_future(asyncio.wait_for(
-            self.policy.broadcast("receive_weights", group, self.version).results_async(return_exceptions=True),
-            self.cfg.weight_sync.timeout_s + 60))
-        await asyncio.wait({send, receive}, return_when=asyncio.FIRST_EXCEPTION)
-        if send.done() and send.exception() is not None:  # the Train job failed: the run restarts it
-            receive.add_done_callback(lambda f: f.exception())  # its members time out on their own
-            raise send.exception()
+        gone: each operation has weight_sync.timeout_s) is counted, and the weights go through the object store
+        instead."""
         try:
-            received = await receive
-        except asyncio.TimeoutError as e:
-            received = [e]
-        sent = (await send)[0]["metrics"]
-        failed = [r for r in received if isinstance(r, BaseException)]
-        self.replicas_updated = sum(isinstance(r, dict) and r.get("member", False) for r in received)
-        if not sent.get("send_error") and not failed:
+            members = sorted(i["replica_id"] for i in await self._replica_infos())
+        except Exception as e:  # no replica reachable now: the object store path counts what it can reach
+            logger.warning("no replica answered before a weight update (%s)", _why(e))
+            members = []
+        self.version += 1
+        failure = await self._transfer(members) if members else "no replica answered"
+        if failure is None:
             self._sent_version, self._group_failures = self.version, 0
+            if self._stored_version != self.version:
+                self.latest_weights = None  # an older copy: no reason to keep it in the object store
             return
         self._group = None  # its state is unknown: the next transfer forms a new one
         self.weight_sync_fallbacks += 1
         self._group_failures += 1
-        self.replica_sync_failures += len(failed)
-        logger.warning("weight version %d over the %s group failed (sender: %s; %d of %d replicas: %s); sending it "
-                       "through the object store%s", self.version, group["backend"], sent.get("send_error", "ok"),
-                       len(failed), len(received), str(failed[0]).splitlines()[0][:200] if failed else "-",
+        logger.warning("weight version %d over the %s group failed (%s); sending it through the object store%s",
+                       self.version, self.cfg.weight_sync.backend, failure,
                        f", and every later update too ({GROUP_FAILURES_MAX} failures in a row)"
                        if self._via_object_store else "")
         results = await self.trainer.run({"kind": "pack_weights", "want_weights": True})
         await self._broadcast(results[0]["weights"])
+
+    async def _transfer(self, members: list[str]) -> str | None:
+        """One transfer of the current version over the group of these replicas; None, or what failed. The sender's
+        operations each have a deadline, so its task ends; the receivers then get `timeout_s` to finish loading."""
+        group = self._weight_group(members)
+        send = asyncio.ensure_future(self.trainer.run({"kind": "send_weights", "group": group,
+                                                       "version": self.version}))
+        receive = asyncio.ensure_future(
+            self.policy.broadcast("receive_weights", group, self.version).results_async(return_exceptions=True))
+        await asyncio.wait({send, receive}, return_when=asyncio.FIRST_COMPLETED)
+        if not send.done():  # the replicas answered first (or could not be called): the sender ends on its own
+            await asyncio.wait({send})
+        if send.exception() is not None:  # the Train job failed: the run restarts it
+            receive.add_done_callback(lambda f: f.exception())  # its members give up on their own
+            raise send.exception()
+        sent = send.result()[0]["metrics"]
+        try:  # the sender is done, so every bucket has left: the replicas only finish loading
+            received = await asyncio.wait_for(receive, self.cfg.weight_sync.timeout_s)
+        except asyncio.TimeoutError:
+            return f"replicas still loading {self.cfg.weight_sync.timeout_s:.0f}s after the sender finished"
+        except Exception as e:
+            return f"the replicas could not be called: {_why(e)}"
+        took = {r["replica_id"] for r in received if isinstance(r, dict) and r.get("member")}
+        self.replicas_updated = len(took)
+        failed = [r for r in received if isinstance(r, BaseException)]
+        if sent.get("send_error") or took != set(group["ranks"]):
+            self.replica_sync_failures += len(set(group["ranks"]) - took)
+            return (f"sender: {sent.get('send_error', 'ok')}; {len(set(group['ranks']) - took)} of "
+                    f"{len(group['ranks'])} replicas did not take it"
+                    + (f" ({_why(failed[0])})" if failed else ""))
+        return None
 
     async def _broadcast(self, weights: Weights) -> None:
         """New weights to every replica under the next version. A replica that fails to take them is logged and
         counted, and stays behind: the next sync check retries it, and until then its rows are dropped as stale."""
         self.version += 1
         self.latest_weights, self._stored_version = weights, self.version
-        results = await self.policy.broadcast("update_weights", weights, self.version).results_async(
-            return_exceptions=True)
+        try:  # a replica that never answers (its engine stuck) must not hold the run: it counts as failed
+            results = await asyncio.wait_for(self.policy.broadcast("update_weights", weights, self.version)
+                                             .results_async(return_exceptions=True), BROADCAST_TIMEOUT_S)
+        except asyncio.TimeoutError as e:
+            results = [e]
         failed = [r for r in results if isinstance(r, BaseException)]
         self.replicas_updated = len(results) - len(failed)
         if failed:
             self.replica_sync_failures += len(failed)
             logger.warning("%d of %d replicas did not take weight version %d: %s", len(failed), len(results),
-                           self.version, str(failed[0]).splitlines()[0][:200])
+                           self.version, _why(failed[0]))
 
     async def _checkpoint(self) -> Path | None:
         """A checkpoint of the current weights, optimizer and run state; a disk that refuses it (full, read-only) is

@@ -226,29 +226,61 @@ def group_device(backend: str) -> torch.device:
 
 class WeightGroup:
     """This process's membership of one weight group: a torch process group of its own, built from the TCPStore
-    (not the default group: a Train worker's default group is its FSDP group, and a replica has none)."""
+    (not the default group: a Train worker's default group is its FSDP group, and a replica has none).
+
+    Every operation has a deadline of the group's `timeout_s`: first a barrier in the store (all members arrived,
+    or TimeoutError; NCCL would otherwise wait in its communicator set-up for a member that never comes), then each
+    broadcast. Under gloo the broadcast's own timeout raises; under NCCL, whose wait only orders the GPU stream,
+    the CPU polls the operation until the deadline and aborts the communicator past it (NCCL's watchdog, which
+    would end the whole process, is given twice as long)."""
 
     def __init__(self, spec: GroupSpec, rank: int):
         import torch.distributed as dist
 
-        self.id, self.rank, self.backend = spec.id, rank, spec.backend
+        self.id, self.rank, self.backend, self.timeout_s = spec.id, rank, spec.backend, spec.timeout_s
         self.device = group_device(spec.backend)
         timeout = datetime.timedelta(seconds=spec.timeout_s)
         store = dist.PrefixStore(spec.id, dist.TCPStore(spec.host, spec.port, is_master=False, timeout=timeout))
+        if store.add("arrived", 1) == spec.world:
+            store.set("all", "1")
+        store.wait(["all"], timeout)  # raises past the timeout: a member did not come
         if spec.backend == "gloo":
             self.group = dist.ProcessGroupGloo(store, rank, spec.world, timeout)
         else:
             options = dist.ProcessGroupNCCL.Options()
-            options._timeout = timeout
+            options._timeout = 2 * timeout
             self.group = dist.ProcessGroupNCCL(store, rank, spec.world, options)
 
     def broadcast(self, tensor: torch.Tensor) -> None:
-        """From rank 0 to every member, in place; raises on every member when one is missing past the timeout."""
+        """From rank 0 to every member, in place, done when this returns; raises on every member when one is
+        missing past the timeout."""
+        import time
+
         import torch.distributed as dist
 
         options = dist.BroadcastOptions()
         options.rootRank = 0
-        self.group.broadcast([tensor], options).wait()
+        work = self.group.broadcast([tensor], options)
+        if self.backend == "gloo":
+            work.wait()
+            return
+        deadline = time.monotonic() + self.timeout_s
+        while not work.is_completed():
+            if time.monotonic() > deadline:
+                self.close()
+                raise TimeoutError(f"an NCCL broadcast of the weight group did not finish within {self.timeout_s}s")
+            time.sleep(0.001)
+
+    def close(self) -> None:
+        """Give the group's connections up now (an NCCL communicator is aborted: its state after a failure is
+        unknown), rather than when the object is collected."""
+        try:
+            if self.backend == "nccl":
+                self.group.abort()
+            else:
+                self.group.shutdown()
+        except Exception:  # already gone, or a torch without the call: collection frees it
+            pass
 
 
 _joined: WeightGroup | None = None  # the group this process is a member of (one at a time)
@@ -260,7 +292,7 @@ def join_group(spec: GroupSpec | dict[str, Any], rank: int) -> WeightGroup:
     global _joined
     spec = spec if isinstance(spec, GroupSpec) else GroupSpec(**spec)
     if _joined is None or _joined.id != spec.id or _joined.rank != rank:
-        _joined = None
+        leave_group()
         _joined = WeightGroup(spec, rank)
     return _joined
 
@@ -268,6 +300,8 @@ def join_group(spec: GroupSpec | dict[str, Any], rank: int) -> WeightGroup:
 def leave_group() -> None:
     """After a failed transfer: the group's state is unknown, so the next transfer forms a new one."""
     global _joined
+    if _joined is not None:
+        _joined.close()
     _joined = None
 
 
@@ -323,22 +357,31 @@ class TransferError(RuntimeError):
         self.loading_began = loading_began
 
 
-def receive_into(group: GroupSpec | dict[str, Any], rank: int, version: int,
-                 load: Callable[[dict[str, Any], Iterator[tuple[str, torch.Tensor]]], None]) -> int:
-    """A member's whole transfer: join `group` as `rank`, read the header (it must announce `version`), then
-    `load(header, tensors)` reads the tensors as they arrive. Any failure leaves the group (the next transfer forms
-    a new one) and raises `TransferError`. Returns the bytes received."""
+def _why(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+
+
+def receive_into(group: GroupSpec | dict[str, Any], rank: int, version: int, dtype: str,
+                 load: Callable[[dict[str, Any], Iterator[tuple[str, torch.Tensor]], Callable[[], None]], None]) -> int:
+    """A member's whole transfer: join `group` as `rank`, read the header (it must announce `version` and `dtype`,
+    the engine's), then `load(header, tensors, began)` reads the tensors as they arrive and calls `began()` just
+    before it first writes to the engine. Any failure leaves the group (the next transfer forms a new one) and
+    raises `TransferError`, saying whether the engine had been written to. Returns the bytes received."""
     try:
         header, tensors = receive_weights(join_group(group, rank))
     except Exception as e:
         leave_group()
-        raise TransferError(f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}", False) from e
-    if header["version"] != version:
-        leave_group()  # the tensors were not read: this member is out of step with the sender
-        raise TransferError(f"the sender sent version {header['version']}, not {version}", False)
+        raise TransferError(_why(e), False) from e
+    wrong = (f"the sender sent version {header['version']}, not {version}" if header["version"] != version else
+             f"weights in {header['dtype']} for an engine in {dtype}" if header["dtype"] != dtype else None)
+    written = [False]
     try:
-        load(header, tensors)
+        if wrong:  # read all the same: the sender waits for every member
+            for _ in tensors:
+                pass
+            raise ValueError(wrong)
+        load(header, tensors, lambda: written.__setitem__(0, True))
     except Exception as e:
         leave_group()
-        raise TransferError(f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}", True) from e
+        raise TransferError(_why(e), written[0]) from e
     return sum(nbytes for _, nbytes in header["buckets"])

@@ -448,12 +448,14 @@ class AsyncVLLMEngine:
         await self.llm.collective_rpc("raygent_finish_weight_update")
         await self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
 
-    async def receive_weights(self, group: dict[str, Any], rank: int, version: int, discard: bool = False) -> int:
+    async def receive_weights(self, group: dict[str, Any], rank: int, version: int, dtype: str,
+                              discard: bool = False) -> int:
         """The collective path: the engine process joins the weight group as `rank` and loads each bucket as it
         arrives (`app.vllm_worker`); the caller makes sure no request runs. Raises `TransferError`."""
         from actors.weights import TransferError
 
-        result = (await self.llm.collective_rpc("raygent_receive_weights", args=(group, rank, version, discard)))[0]
+        result = (await self.llm.collective_rpc("raygent_receive_weights",
+                                                args=(group, rank, version, dtype, discard)))[0]
         if "error" in result:
             raise TransferError(result["error"], result["loading_began"])
         if not discard:

@@ -28,7 +28,7 @@ from actors.metrics import quiet_frameworks
 from actors.prompting import encode_chat
 from actors.weights import TransferError, Weights, receive_into
 from app.default_model import resolve_model
-from app.engines import AsyncVLLMEngine, Completion, completion_reply, make_engine
+from app.engines import AsyncVLLMEngine, Completion, HFEngine, completion_reply, make_engine
 from app.routing import ROUTER
 
 logger = logging.getLogger("ray.serve")
@@ -91,6 +91,11 @@ class Policy:
         self.version = self.config.initial_version
         self._gate = WeightGate()
         self._engine_error: str | None = None
+        # A collective transfer that failed after the engine's weights began to change: half old, half new. The
+        # replica refuses requests until a full update succeeds (the controller sends one at once, through the
+        # object store), and stays healthy meanwhile: replacing every replica of a failed transfer at once would
+        # leave the run with none.
+        self._half_loaded: str | None = None
         if self.config.sync_from:
             await self._sync_from_run()
         self._generate_batch.set_max_batch_size(self.config.max_batch_size)
@@ -109,7 +114,8 @@ class Policy:
 
         try:
             controller = ray.get_actor(self.config.sync_from, namespace="raygent")
-            latest = await asyncio.wait_for(controller.latest_weights_for_replica.remote(), 120)
+            # on the collective path the controller may first wait for the update under way to go out
+            latest = await asyncio.wait_for(controller.latest_weights_for_replica.remote(), 300)
             if latest is not None and latest["version"] > self.version:
                 await self._load(latest["weights"])
                 self.version = int(latest["version"])
@@ -136,8 +142,11 @@ class Policy:
         a synchronous engine gets it in a batch of the requests that arrive together."""
         async with self._gate.request():
             version = self.version
-            if self._engine_error is not None:  # e.g. half-loaded weights: never serve them; Serve replaces us
+            if self._engine_error is not None:  # its state is unknown: Serve replaces this replica
                 raise RuntimeError(f"this replica's engine failed ({self._engine_error}); Serve is replacing it")
+            if self._half_loaded is not None:  # never serve half-loaded weights
+                raise RuntimeError(f"this replica's weights are half loaded ({self._half_loaded}); it serves "
+                                   "again after the next full update")
             try:
                 if isinstance(self.engine, AsyncVLLMEngine):
                     started = time.perf_counter()
@@ -220,6 +229,8 @@ class Policy:
             except Exception as e:  # a half-loaded engine must not serve: Serve replaces the replica, which syncs
                 self._engine_error = f"weight update failed: {type(e).__name__}: {e}"  # from the run
                 raise
+            if weights.kind == "full":
+                self._half_loaded = None
             self.version = version
         return {"replica_id": self.replica_id, "version": version, "seconds": time.perf_counter() - started,
                 "bytes": weights.nbytes}
@@ -230,8 +241,8 @@ class Policy:
         into the engine's own process bucket by bucket as they arrive; an adapter is received here and swapped in
         as `update_weights` does. The gate works as for `update_weights`. A replica that is not in the group (it
         started after the group was formed) takes no part; the controller's next sync check catches it up. A
-        transfer that fails after loading began leaves the engine half loaded: the replica refuses requests and
-        reports unhealthy, and Serve replaces it."""
+        transfer that fails after the engine's weights began to change leaves them half loaded: the replica
+        refuses requests until a full update succeeds."""
         rank = group["ranks"].get(self.replica_id)
         if rank is None:
             return {"replica_id": self.replica_id, "member": False, "version": self.version}
@@ -241,41 +252,50 @@ class Policy:
             try:
                 adapter: dict[str, Any] = {}
                 if self.config.lora is None and isinstance(self.engine, AsyncVLLMEngine):
-                    received = await self.engine.receive_weights(group, rank, version, discard=stale)
+                    received = await self.engine.receive_weights(group, rank, version, self.config.dtype,
+                                                                 discard=stale)
                 else:
                     received = await asyncio.to_thread(self._receive_here, group, rank, version, stale, adapter)
             except TransferError as e:
                 if e.loading_began:
-                    self._engine_error = f"weight transfer failed while loading: {e}"
+                    self._half_loaded = f"weight version {version} failed while loading: {e}"
                 raise RuntimeError(f"weight version {version} over the {group['backend']} group failed: "
                                    f"{e}") from None
             if stale:
                 raise ValueError(f"weight version {version} is not newer than the replica's {self.version}")
             if adapter:  # received whole: swapping it in either works or leaves the previous adapter serving
                 await self._load_adapter(adapter)
+            else:
+                self._half_loaded = None
             self.version = version
         return {"replica_id": self.replica_id, "member": True, "version": version,
                 "seconds": time.perf_counter() - started, "bytes": received}
 
     def _receive_here(self, group: dict[str, Any], rank: int, version: int, discard: bool,
                       adapter: dict[str, Any]) -> int:
-        """Receive in this process: the synchronous engines own their model here (each bucket is loaded as it
-        arrives); an adapter is collected into `adapter`, then swapped in from the event loop."""
+        """Receive in this process: the synchronous engines own their model here (vLLM loads each bucket as it
+        arrives; transformers takes the whole state dict, so it is collected first); an adapter is collected into
+        `adapter`, then swapped in from the event loop."""
 
-        def load(header: dict[str, Any], tensors: Any) -> None:
+        def load(header: dict[str, Any], tensors: Any, began: Any) -> None:
             if discard:
                 for _ in tensors:
                     pass
             elif header["kind"] == "adapter":
                 adapter.update((name, tensor.cpu()) for name, tensor in tensors)
+            elif isinstance(self.engine, HFEngine):
+                state = dict(tensors)
+                began()
+                self.engine.load_weights(state.items())
             else:
+                began()
                 self.engine.load_weights(tensors)
 
-        return receive_into(group, rank, version, load)
+        return receive_into(group, rank, version, self.config.dtype, load)
 
     async def _load(self, weights: Weights) -> None:
         if weights.kind == "adapter":
-            await self._load_adapter(weights.state_dict())
+            await self._load_adapter(await asyncio.to_thread(weights.state_dict))
         elif isinstance(self.engine, AsyncVLLMEngine):
             await self.engine.load_weights(weights)
         else:
@@ -314,7 +334,8 @@ class Policy:
         return {"replica_id": self.replica_id, "pid": os.getpid(), "version": self.version, "engine": self.engine.name,
                 "model_path": self.model_path, "max_model_len": self.config.max_model_len,
                 "torch_threads": torch.get_num_threads(), "prefix_cache": self.engine.prefix_cache(),
-                "cuda": torch.cuda.is_available(), "healthy": self._engine_error is None}
+                "cuda": torch.cuda.is_available(), "healthy": self._engine_error is None,
+                "half_loaded": self._half_loaded is not None}
 
 
 def build_policy_app(args: dict[str, Any]) -> serve.Application:

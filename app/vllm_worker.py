@@ -58,11 +58,12 @@ class WorkerExtension:
         with set_current_vllm_config(self.vllm_config):
             finalize_layerwise_reload(self.model_runner.get_model(), self.vllm_config.model_config)
 
-    def raygent_receive_weights(self, group: dict[str, Any], rank: int, version: int, discard: bool) -> dict[str, Any]:
+    def raygent_receive_weights(self, group: dict[str, Any], rank: int, version: int, dtype: str,
+                                discard: bool) -> dict[str, Any]:
         """The collective path: this engine process is the replica's member of the weight group; each bucket is
-        loaded into the model as it arrives (vLLM's layerwise in-place reload, begun once the header is here).
-        Returns {"bytes"} or, on failure, {"error", "loading_began"} (an exception's type would not survive the
-        RPC)."""
+        loaded into the model as it arrives (vLLM's layerwise in-place reload, begun once the header is here, and
+        finished whatever happens, so that a later full update can reload the model again). Returns {"bytes"} or,
+        on failure, {"error", "loading_began"} (an exception's type would not survive the RPC)."""
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload.layerwise import (
             finalize_layerwise_reload,
@@ -74,17 +75,20 @@ class WorkerExtension:
         model = self.model_runner.get_model()
         tied = bool(getattr(self.vllm_config.model_config.hf_config, "tie_word_embeddings", False))
 
-        def load(header: dict[str, Any], tensors: Any) -> None:
+        def load(header: dict[str, Any], tensors: Any, began: Any) -> None:
             if discard:
                 for _ in tensors:
                     pass
                 return
             with set_current_vllm_config(self.vllm_config):
+                began()
                 initialize_layerwise_reload(model)
-                model.load_weights(with_tied_head(tensors, tied))
-                finalize_layerwise_reload(model, self.vllm_config.model_config)
+                try:
+                    model.load_weights(with_tied_head(tensors, tied))
+                finally:
+                    finalize_layerwise_reload(model, self.vllm_config.model_config)
 
         try:
-            return {"bytes": receive_into(group, rank, version, load)}
+            return {"bytes": receive_into(group, rank, version, dtype, load)}
         except TransferError as e:
             return {"error": str(e), "loading_began": e.loading_began}

@@ -121,6 +121,7 @@ def main() -> None:
     class Receiver:
         def __init__(self, model_path: str, dtype: str, lora: dict[str, Any] | None):
             torch.set_num_threads(1)
+            self.dtype = dtype
             self.lora = LoraConfig(**lora) if lora else None
             self.engine = make_engine("vllm", model_path, dtype=dtype, max_model_len=256, kv_cache_bytes=32 * 2**20,
                                       lora=self.lora)
@@ -131,7 +132,8 @@ def main() -> None:
 
             before, started = peak_mib(), time.perf_counter()
             if group is not None:  # a member of the weight group: each bucket into the engine as it arrives
-                receive_into(group, rank, version, lambda header, tensors: self.engine.load_weights(tensors))
+                receive_into(group, rank, version, self.dtype,
+                             lambda header, tensors, began: (began(), self.engine.load_weights(tensors)))
             elif isinstance(sent, list):  # the previous path: the whole dict fetched, then loaded
                 state = ray.get(sent[0])
                 self.engine.load_weights([(k, torch.from_numpy(v)) for k, v in state.items()])

@@ -19,6 +19,7 @@ import yaml
 from ray.serve.schema import ServeDeploySchema
 
 from actors.config import load_train_config
+from actors.storage import is_uri
 from app.agent import AgentConfig
 from app.cli import build_parser
 from app.launch import parse_overrides, train
@@ -123,14 +124,37 @@ def test_ray_version_and_image_match_the_project():
 
 
 @pytest.mark.parametrize("name", sorted(_embedded_serve_configs()))
-def test_embedded_serve_configs_are_agent_yaml_with_cluster_fields_only(name):
+def test_embedded_serve_configs_are_agent_yaml_with_cluster_fields_only(name, tmp_path):
     embedded = _embedded_serve_configs()[name]
     ServeDeploySchema.model_validate(embedded)
-    AgentConfig.model_validate(embedded["applications"][0]["args"])
+    args = copy.deepcopy(embedded["applications"][0]["args"])
+    if is_uri(args["policy"]["model"]):
+        # the bucket is the cluster's (validation would reach it before any actor starts): the rest of the
+        # config is checked here with a local folder in its place
+        (tmp_path / "config.json").write_text("{}")
+        args["policy"]["model"] = tmp_path.as_uri()
+    AgentConfig.model_validate(args)
     agent = yaml.safe_load((REPO / "serve_configs" / "agent.yaml").read_text())
     drifted = {d for d in _differences(agent, embedded) if not any(d[:len(f)] == f for f in CLUSTER_FIELDS)}
     assert not drifted, f"{name} drifted from serve_configs/agent.yaml at {drifted}"
     assert embedded["http_options"]["host"] == "0.0.0.0"
+
+
+def test_the_agent_service_serves_from_the_storage_the_jobs_write_to():
+    """The RayService reads the checkpoint through storage (an S3 URI under the jobs' checkpoint.storage, with the
+    jobs' credentials), not from a volume: its pods, like the multi-node job's, share no disk."""
+    service = _manifest("kuberay/rayservice-agent.yaml")
+    model = yaml.safe_load(service["spec"]["serveConfigV2"])["applications"][0]["args"]["policy"]["model"]
+    cluster = service["spec"]["rayClusterConfig"]
+    for name in RAYJOBS:
+        _, args = _entrypoint_args(_manifest(name))
+        storage = load_train_config(args).checkpoint.storage
+        assert storage and model.startswith(f"{storage}/{args['run_name']}/checkpoints/"), (name, storage, model)
+    for group in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]:
+        spec = group["template"]["spec"]
+        assert not [v for v in spec.get("volumes", []) if "emptyDir" not in v], group
+        (container,) = spec["containers"]
+        assert {"secretRef": {"name": "raygent-s3"}} in container.get("envFrom", []), group
 
 
 def _entrypoint(command: str, env: dict[str, str] | None = None) -> tuple[Path, dict[str, Any]]:

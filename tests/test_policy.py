@@ -411,7 +411,7 @@ class Sender:
                               {r: k for k, r in enumerate(replicas, start=1)})
 
     def transfer(self, handle, tensors: dict, version: int, kind: str = "full", bucket: int = 64 * 1024,
-                 stop_after: int | None = None) -> tuple[list, dict]:
+                 stop_after: int | None = None, dtype: str = "float32") -> tuple[list, dict]:
         """Receive on every replica while this process sends `tensors` as `version`; (the replicas' answers or
         errors, what the sender saw). `stop_after`: the sender dies after that many tensors."""
         from actors.weights import join_group, leave_group, send_weights
@@ -428,7 +428,7 @@ class Sender:
         def send() -> None:
             try:
                 sent.update(send_weights(join_group(self.spec, 0), stream(),
-                                         [(n, tuple(t.shape)) for n, t in items], "float32", bucket, kind, version))
+                                         [(n, tuple(t.shape)) for n, t in items], dtype, bucket, kind, version))
             except Exception as e:
                 sent["error"] = str(e)
                 leave_group()
@@ -476,7 +476,8 @@ def test_weights_broadcast_over_a_gloo_group_reach_every_replica_and_restore(pol
 
 def test_a_gloo_transfer_that_fails_before_loading_keeps_the_replica_serving(policies, default_model):
     """A group with a member that never comes: the transfer fails on the sender and on every replica within the
-    group's timeout, before anything reaches the engines, so the replicas stay healthy on their weights and
+    group's timeout, before anything reaches the engines. Weights of another dtype than the engine's: the replica
+    reads them (the sender waits for every member) and refuses them. Either way the replicas keep their weights and
     version and answer the next request."""
     handle = policies["hf"]
     original = {k: torch.from_numpy(v) for k, v in load_file(f"{default_model}/model.safetensors").items()}
@@ -485,33 +486,47 @@ def test_a_gloo_transfer_that_fails_before_loading_keeps_the_replica_serving(pol
     answers, sent = Sender(handle, timeout_s=5.0, extra_members=1).transfer(handle, original, start + 1)
     assert "error" in sent
     assert all(isinstance(a, Exception) and "group failed" in str(a) for a in answers), answers
+    answers, sent = Sender(handle).transfer(handle, original, start + 1, dtype="bfloat16")
+    assert "error" not in sent
+    assert all("weights in bfloat16 for an engine in float32" in str(a) for a in answers), answers
     info = handle.info.remote().result()
-    assert info["version"] == start and info["healthy"]
+    assert info["version"] == start and info["healthy"] and not info["half_loaded"]
     again = handle.generate.remote([CHAT], SAMPLING).result()[0]
     assert again["token_ids"] == before["token_ids"] and again["weight_version"] == start
 
 
-def test_a_gloo_transfer_that_dies_while_loading_takes_the_replica_out_of_service(serve_url, default_model):
-    """The sender dies after the first buckets: the replica's engine holds half old, half new weights. It must
-    never serve them: it refuses requests at once and reports unhealthy (Serve replaces it, and the replacement
-    syncs from the run). Its own deployment: Serve replaces the replica."""
+@pytest.mark.parametrize("engine", ["vllm", "vllm-async"])
+def test_a_gloo_transfer_that_dies_while_loading_stops_the_replica_serving_until_a_full_update(
+        serve_url, default_model, engine):
+    """The sender dies after the first buckets: the engine holds half old, half new weights. The replica never
+    serves them: it refuses requests at once (and stays healthy: the controller sends the version again through
+    the object store, and replacing every replica of a failed transfer would leave the run with none). A full
+    update puts it back in service, with the replies of those weights."""
     from ray import serve
 
+    from actors.weights import pack_weights
     from app.policy import Policy
 
-    handle = serve.run(Policy.options(num_replicas=1, health_check_period_s=600).bind(
-        {"model": default_model, "engine": "vllm"}), name="policy-half-loaded", route_prefix=None)
+    handle = serve.run(Policy.options(num_replicas=1).bind({"model": default_model, "engine": engine}),
+                       name=f"policy-half-loaded-{engine}", route_prefix=None)
     try:
+        before = handle.generate.remote([CHAT], SAMPLING).result()[0]
         original = {k: torch.from_numpy(v) for k, v in load_file(f"{default_model}/model.safetensors").items()}
-        answers, sent = Sender(handle, timeout_s=5.0).transfer(handle, original, 1, bucket=4096, stop_after=3)
+        perturbed = {k: v + 0.05 for k, v in original.items()}
+        answers, sent = Sender(handle, timeout_s=5.0).transfer(handle, perturbed, 1, bucket=4096, stop_after=3)
         assert sent["error"] == "the sender died"
         assert isinstance(answers[0], Exception) and "group failed" in str(answers[0]), answers
         info = handle.info.remote().result()
-        assert not info["healthy"] and info["version"] == 0
-        with pytest.raises(RuntimeError, match="engine failed.*weight transfer failed while loading"):
+        assert info["half_loaded"] and info["healthy"] and info["version"] == 0
+        with pytest.raises(RuntimeError, match="half loaded"):
             handle.generate.remote([CHAT], SAMPLING).result()
+        handle.update_weights.remote(pack_weights(original.items(), "float32", 1 << 20), 2).result()
+        info = handle.info.remote().result()
+        assert not info["half_loaded"] and info["version"] == 2
+        again = handle.generate.remote([CHAT], SAMPLING).result()[0]
+        assert again["token_ids"] == before["token_ids"] and again["weight_version"] == 2
     finally:
-        serve.delete("policy-half-loaded")
+        serve.delete(f"policy-half-loaded-{engine}")
 
 
 @pytest.mark.parametrize("engine", ["vllm-async", "hf"])

@@ -98,7 +98,7 @@ def test_two_fsdp_ranks_pack_every_parameter_gathered(tmp_path):
     assert np.sum(packed["bucket_bytes"]) >= sum(t.numel() * 4 for t in expected.values())
 
 
-def test_the_collective_layout_is_the_packers():
+def test_the_collective_layout_is_the_packers(ray_cluster):
     """The bucket table a collective sender announces before it gathers anything is the one the object-store packer
     fills: the same entries and offsets, bucket by bucket."""
     from actors.weights import bucket_layout

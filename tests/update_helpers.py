@@ -289,13 +289,14 @@ def weight_group_member(index: int, spec: dict[str, Any], fsdp_port: int, folder
     else:
         got: dict[str, torch.Tensor] = {}
 
-        def load(header, tensors):
+        def load(header, tensors, began):
             result["header"] = {k: header[k] for k in ("dtype", "kind", "version")}
+            began()  # as an engine that loads each bucket as it arrives
             for name, t in tensors:
                 got[name] = t.clone()
 
         try:
-            result["bytes"] = receive_into(spec, index - 1, 7, load)
+            result["bytes"] = receive_into(spec, index - 1, 7, dtype, load)
         except TransferError as e:
             result.update(error=str(e), loading_began=e.loading_began)
         result["tensors"] = got
