@@ -1,5 +1,5 @@
 """The iteration's batch as a Ray Dataset, built as the rollout streams in: each group's block (never gathered on
-the controller) is prepared by a task of its own the moment it arrives (`prepare_block`: stale groups out in sync
+the controller) is prepared by the env-group actor that made it, the moment the group ends (`prepare_block`: stale groups out in sync
 mode, the group's advantages, or a whole-batch estimator's first pass); when the last group is in, the prepared
 blocks become the Dataset (`build_batch`: whole-batch statistics merged from the blocks where an estimator needs
 them) and one shard per training worker that keeps every row.
@@ -82,13 +82,6 @@ def prepare_block(block: pa.Table, algo: AlgorithmConfig, version: int | None = 
         block = drop_stale_groups(block, version=version)
     return (add_batch_values if algo.estimator in WHOLE_BATCH else add_advantages)(block, **kwargs)
 
-
-_prepare_task = ray.remote(num_cpus=_DATA_CPUS)(prepare_block)
-
-
-def prepare_block_async(block: Any, algo: AlgorithmConfig, version: int | None = None) -> Any:
-    """`prepare_block` as a task where the block is (an object ref in, an object ref out)."""
-    return _prepare_task.remote(block, algo, version)
 
 
 def build_batch(prepared: list[Any], algo: AlgorithmConfig) -> ray.data.MaterializedDataset:

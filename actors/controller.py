@@ -24,7 +24,7 @@ import numpy as np
 import ray
 
 import envs
-from actors.batch import build_batch, prepare_block_async, split_for_workers
+from actors.batch import build_batch, split_for_workers
 from actors.checkpoint import (
     adapter_of,
     base_model_weights,
@@ -628,7 +628,7 @@ class Controller:
 
     async def _rollout(self, it: int) -> tuple[list[Any], list[dict[str, Any]], tuple[float, float]]:
         """Iteration `it`'s groups, spread over the env-group actors. Each group's block streams back as the group
-        finishes and is prepared for the trainer at once (`actors.batch.prepare_block`: its advantages) while the
+        finishes, prepared for the trainer by its actor (`actors.batch.prepare_block`: its advantages) while the
         other groups still play. Returns the prepared blocks (object refs, never fetched here), the rollout's
         metrics (one record per group and per actor), and when it ran."""
         cfg = self.cfg
@@ -642,7 +642,7 @@ class Controller:
         parts: list[dict[str, Any]] = []
 
         def on_group(head: dict[str, Any], block: Any) -> None:
-            prepared[head["group"]] = prepare_block_async(block, cfg.algorithm, expected)
+            prepared[head["group"]] = block
             parts.append(head)
 
         def pending(part: np.ndarray) -> np.ndarray:
@@ -654,7 +654,7 @@ class Controller:
                 return
             stream = actor.rollout.remote(
                 seeds[todo].tolist(), todo.tolist(), cfg.rollout.group_size, self._sampling(cfg.rollout.temperature),
-                cfg.rollout.requests_per_step, cfg.seed, it, expected, cfg.rollout.route_by_group)
+                cfg.rollout.requests_per_step, cfg.seed, it, expected, cfg.rollout.route_by_group, cfg.algorithm)
             parts.append(await read_rollout(stream, on_group))
 
         try:

@@ -24,6 +24,8 @@ import ray
 
 import envs
 import memory
+from actors.batch import prepare_block
+from actors.config import AlgorithmConfig
 from actors.demonstrations import play_demonstrations
 from actors.episodes import (
     Coalescer,
@@ -178,11 +180,15 @@ class EnvGroupActor:
     @ray.method(num_returns="streaming")
     async def rollout(self, seeds: Sequence[int], group_ids: Sequence[int], group_size: int,
                       sampling: dict[str, Any], requests_per_step: int = 2, run_seed: int = 0, round_index: int = 0,
-                      expected_version: int | None = None, route_by_group: bool = False) -> AsyncIterator[Any]:
+                      expected_version: int | None = None, route_by_group: bool = False,
+                      algorithm: AlgorithmConfig | None = None) -> AsyncIterator[Any]:
         """One episode per env of `len(seeds)` groups x `group_size` with the policy: group `group_ids[k]` starts
         every env from `seeds[k]`; trajectory id = group id * group_size + member; each episode's sampling seed
         comes from (run_seed, round_index, group id, member), so a group redone elsewhere plays the same draws.
-        `route_by_group`: each group's requests keep to one replica (`Lanes`).
+        `route_by_group`: each group's requests keep to one replica (`Lanes`). With `algorithm`, each block is
+        prepared for the trainer here (`actors.batch.prepare_block`: its advantages, and in sync mode the groups of
+        other weights left out), milliseconds per group in a process that is already running, where a task of its
+        own would first wait for a worker and a CPU share (seconds on a busy node).
 
         Streams, in the order groups finish, one pair per group: its block (the step records of its episodes,
         RECORD_SCHEMA), then its header (`{"group": id}` with the group's `episode_metrics` and its stale rows);
@@ -218,7 +224,7 @@ class EnvGroupActor:
             # a replica that restarted and could not sync answers with other weights: counted here, dropped later
             stale = 0 if expected_version is None else int((block["weight_version"].to_numpy()
                                                             != expected_version).sum())
-            yield block
+            yield block if algorithm is None else prepare_block(block, algorithm, expected_version)
             yield {"group": int(group_ids[k]), **episode_metrics(episodes), "stale_rows": stale}
         episodes, generate_seconds = await playing
         errors = [s.env_error for e in episodes for s in e.steps if s.env_error]

@@ -125,6 +125,11 @@ def run_facts(records: list[dict[str, Any]], cpu_samples: list[tuple[float, floa
             "env_steps": env_steps, "curve": curve, "staleness_hist": hist,
             "too_stale_rows": sum(r.get("train/too_stale_rows") or 0 for r in rl),
             "mixed_version_groups": sum(r.get("data/mixed_version_groups") or 0 for r in rl),
+            # what a collapse looks like from the inside: valid replies, and how far the engine's log-probs of
+            # the trained rows lie from the trainer's
+            "per_iteration": {k: [r.get(f"train/{k}") for r in rl]
+                              for k in ("lr", "valid_action_ratio", "success_rate", "rollout_trainer_logprob_gap",
+                                        "rollout_is_outside_frac", "grad_norm")},
             "overlap_share": statistics.fmean(r.get("perf/overlap_share") or 0.0 for r in rl[1:]),
             "mean_time": {k: statistics.fmean(r.get(f"time/{k}") or 0.0 for r in rl[1:])
                           for k in ("rollout_s", "rollout_wait_s", "dataset_s", "train_s", "broadcast_s",

@@ -43,10 +43,10 @@ def _advantages(ds) -> dict[tuple[int, int], float]:
 
 
 def _batch(ray_cluster, blocks: list[pa.Table], algo: AlgorithmConfig, version: int | None = None):
-    """As the controller builds it: each block prepared by its own task as it arrives, then the Dataset."""
-    from actors.batch import build_batch, prepare_block_async
+    """As the controller builds it: each block prepared where it was made (its env-group actor), then the Dataset."""
+    from actors.batch import build_batch, prepare_block
 
-    return build_batch([prepare_block_async(ray_cluster.put(b), algo, version) for b in blocks], algo)
+    return build_batch([ray_cluster.put(prepare_block(b, algo, version)) for b in blocks], algo)
 
 
 def _per_group(table: pa.Table) -> list[pa.Table]:
