@@ -1,8 +1,8 @@
 """The iteration's batch as a Ray Dataset, built as the rollout streams in: each group's block (never gathered on
-the controller) is prepared by the env-group actor that made it, the moment the group ends (`prepare_block`: stale groups out in sync
-mode, the group's advantages, or a whole-batch estimator's first pass); when the last group is in, the prepared
-blocks become the Dataset (`build_batch`: whole-batch statistics merged from the blocks where an estimator needs
-them) and one shard per training worker that keeps every row.
+the controller) is prepared by the env-group actor that played it, the moment the group ends (`prepare_block`:
+stale groups out in sync mode, the group's advantages, or a whole-batch estimator's first pass); when the last
+group is in, the prepared blocks become the Dataset (`build_batch`: whole-batch statistics merged from the blocks
+where an estimator needs them) and one shard per training worker that keeps every row.
 """
 
 from __future__ import annotations
@@ -81,7 +81,6 @@ def prepare_block(block: pa.Table, algo: AlgorithmConfig, version: int | None = 
     if version is not None:
         block = drop_stale_groups(block, version=version)
     return (add_batch_values if algo.estimator in WHOLE_BATCH else add_advantages)(block, **kwargs)
-
 
 
 def build_batch(prepared: list[Any], algo: AlgorithmConfig) -> ray.data.MaterializedDataset:
