@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 export RAY_USAGE_STATS_ENABLED ?= 0
 export PIP_DISABLE_PIP_VERSION_CHECK = 1
 
-.PHONY: install train test lint bench clean
+.PHONY: install train test test-fast lint bench clean
 
 install: $(STAMP)
 
@@ -31,6 +31,11 @@ train: install
 
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The developer's loop: every test but the `slow` ones (real Serve apps, Train jobs, `serve run`), ~2 minutes.
+# CI runs the whole suite (`make test`).
+test-fast: install
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -339,7 +339,8 @@ async def _completion_stream(rid: str, created: int, model: str, choices: list[d
     yield "data: [DONE]\n\n"
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 0.1}, max_ongoing_requests=256)
+@serve.deployment(ray_actor_options={"num_cpus": 0.1}, max_ongoing_requests=256,
+                  graceful_shutdown_wait_loop_s=0.5)
 @serve.ingress(fastapi_app)
 class AgentAPI:
     def __init__(self, policy: DeploymentHandle, config: dict[str, Any], retriever: DeploymentHandle | None = None):

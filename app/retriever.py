@@ -81,7 +81,7 @@ class _Index:
 Retriever = serve.deployment(name="Retriever", ray_actor_options={"num_cpus": 0.25})(_Index)
 
 
-@serve.deployment(name="Retriever", ray_actor_options={"num_cpus": 0.25})
+@serve.deployment(name="Retriever", ray_actor_options={"num_cpus": 0.25}, graceful_shutdown_wait_loop_s=0.5)
 @serve.ingress(api)
 class RetrieverServer(_Index):
     @api.post("/retrieve")

@@ -58,7 +58,7 @@ def config_hash(config: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 0}, num_replicas=1)
+@serve.deployment(ray_actor_options={"num_cpus": 0}, num_replicas=1, graceful_shutdown_wait_loop_s=0.5)
 @serve.ingress(train_api)
 class TrainingRun:
     """The run's HTTP routes, and the keeper of its controller: the controller is a named, detached actor whose

@@ -17,6 +17,11 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAYGENT_CACHE", str(Path(tempfile.gettempdir()) / f"raygent-test-cache-{os.getuid()}"))
+# Serve names the resources of replicas it cannot place once they have waited this long, and first looks that long
+# after a deployment starts (30 s each by default): the test of replicas that fit no node then fails its run sooner.
+# The cluster's processes inherit them from this one.
+os.environ.setdefault("RAY_SERVE_SLOW_STARTUP_WARNING_S", "5")
+os.environ.setdefault("RAY_SERVE_SLOW_STARTUP_WARNING_PERIOD_S", "5")
 
 
 def free_port() -> int:
@@ -106,16 +111,23 @@ def s3_bucket() -> str:
         server.wait(timeout=30)
 
 
-# Modules whose tests start `serve run` as a subprocess, in the order they run, after every other test: when
-# `serve run` exits it shuts Serve down for the whole cluster.
+# Modules whose tests start `serve run` as a subprocess, in the order they run, after every other test: a `serve
+# run` replaces the session's Serve apps and shuts Serve down when it exits.
 SERVE_RUN_MODULES = ("test_train_e2e", "test_train_envs")
+# Tests that wait for time to pass (a gauge that must outlive an eviction interval): they run after the other tests
+# that share the cluster, and their fixtures start early (an earlier test of their module asks for them), so the
+# wait has passed by then.
+LATE_TESTS = ("test_gauges_stay_exported_while_the_run_is_idle",)
 
 
 def pytest_collection_modifyitems(config, items):
-    """`serve run` tests go last (SERVE_RUN_MODULES); the sort is stable, so each module keeps its own order."""
+    """LATE_TESTS after the rest, then the `serve run` tests (SERVE_RUN_MODULES); the sort is stable, so each
+    module keeps its own order."""
 
-    def rank(item) -> int:
+    def rank(item) -> float:
         module = item.nodeid.split("::", 1)[0].rsplit("/", 1)[-1].removesuffix(".py")
-        return SERVE_RUN_MODULES.index(module) + 1 if module in SERVE_RUN_MODULES else 0
+        if module in SERVE_RUN_MODULES:
+            return SERVE_RUN_MODULES.index(module) + 1
+        return 0.5 if item.name in LATE_TESTS else 0
 
     items.sort(key=rank)

@@ -39,7 +39,9 @@ class ServeRun:
                 self.proc.wait()
 
 
-def wait_for(predicate, timeout: float, what: str, run: ServeRun):
+def wait_for(predicate, timeout: float, what: str, run: ServeRun, interval: float = 1.0):
+    """`predicate()`'s first truthy value, polled every `interval` seconds; fails the test when the run exits or
+    `timeout` seconds pass first (with the end of its log)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if run.proc.poll() is not None:
@@ -51,7 +53,7 @@ def wait_for(predicate, timeout: float, what: str, run: ServeRun):
                 return value
         except (httpx.HTTPError, KeyError, ValueError):
             pass
-        time.sleep(1.0)
+        time.sleep(interval)
     pytest.fail(f"timed out waiting for {what}:\n" + run.log.read_text()[-3000:])
 
 

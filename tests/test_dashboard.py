@@ -8,8 +8,10 @@ import re
 import time
 from pathlib import Path
 
+import pytest
+
 from actors.metrics import DASHBOARD_METRICS, grafana_dashboard, prometheus_name
-from tests.conftest import REPO
+from tests.conftest import REPO, scrape_metrics
 
 
 def test_committed_dashboard_is_the_generated_one():
@@ -27,15 +29,13 @@ def test_dashboard_names_only_exported_gauges():
     assert len(panels) == len(DASHBOARD_METRICS)
 
 
-def test_gauges_stay_exported_while_the_run_is_idle(ray_cluster, tmp_path):
-    """Ray's OpenTelemetry recorder drops a gauge that is not set again within two report intervals (~20 s): a
-    run's last values must still be on the export port long after its last record (a long iteration, a finished
-    run)."""
+@pytest.fixture(scope="session")
+def idle_run_gauge(ray_cluster, tmp_path_factory):
+    """A run that logged one record and then fell silent: its gauge's Prometheus name and when it was set."""
     import ray
 
     from actors.config import LoggingConfig
     from actors.metrics import MetricsSink
-    from tests.conftest import scrape_metrics
 
     @ray.remote(num_cpus=0)
     class Sink:
@@ -45,11 +45,22 @@ def test_gauges_stay_exported_while_the_run_is_idle(ray_cluster, tmp_path):
         def log(self, record: dict) -> None:
             self.sink.log(record)
 
-    sink = Sink.remote(str(tmp_path))
+    sink = Sink.remote(str(tmp_path_factory.mktemp("idle-run")))
     ray.get(sink.log.remote({"iteration": 1, "weight_version": 7.0}), timeout=60)
-    logged = time.monotonic()
-    name = prometheus_name("weight_version")
-    assert name in scrape_metrics(until={name}, timeout=30, run="idle-run"), "the gauge never reached the export port"
-    time.sleep(max(0.0, logged + 45 - time.monotonic()))  # past the recorder's eviction of a gauge set once
-    assert name in scrape_metrics(until={name}, timeout=15, run="idle-run"), "the gauge vanished once the run stopped logging"
+    yield prometheus_name("weight_version"), time.monotonic()
     ray.kill(sink)
+
+
+def test_a_run_gauge_reaches_the_export_port(idle_run_gauge):
+    name, _ = idle_run_gauge
+    assert name in scrape_metrics(until={name}, timeout=30, run="idle-run"), "the gauge never reached the export port"
+
+
+def test_gauges_stay_exported_while_the_run_is_idle(idle_run_gauge):
+    """Ray's OpenTelemetry recorder drops a gauge that is not set again within two report intervals (~20 s): a
+    run's last values must still be on the export port long after its last record (a long iteration, a finished
+    run). conftest runs this test late in the session, so the wait past the eviction has passed meanwhile."""
+    name, logged = idle_run_gauge
+    time.sleep(max(0.0, logged + 45 - time.monotonic()))  # past the recorder's eviction of a gauge set once
+    assert name in scrape_metrics(until={name}, timeout=15, run="idle-run"), \
+        "the gauge vanished once the run stopped logging"

@@ -497,36 +497,31 @@ def test_a_gloo_transfer_that_fails_before_loading_keeps_the_replica_serving(pol
 
 @pytest.mark.parametrize("engine", ["vllm", "vllm-async"])
 def test_a_gloo_transfer_that_dies_while_loading_stops_the_replica_serving_until_a_full_update(
-        serve_url, default_model, engine):
+        policies, default_model, engine):
     """The sender dies after the first buckets: the engine holds half old, half new weights. The replica never
     serves them: it refuses requests at once (and stays healthy: the controller sends the version again through
     the object store, and replacing every replica of a failed transfer would leave the run with none). A full
-    update puts it back in service, with the replies of those weights."""
-    from ray import serve
-
+    update puts it back in service, with the replies of those weights (the module's weights: the later tests'
+    replicas are as they were)."""
     from actors.weights import pack_weights
-    from app.policy import Policy
 
-    handle = serve.run(Policy.options(num_replicas=1).bind({"model": default_model, "engine": engine}),
-                       name=f"policy-half-loaded-{engine}", route_prefix=None)
-    try:
-        before = handle.generate.remote([CHAT], SAMPLING).result()[0]
-        original = {k: torch.from_numpy(v) for k, v in load_file(f"{default_model}/model.safetensors").items()}
-        perturbed = {k: v + 0.05 for k, v in original.items()}
-        answers, sent = Sender(handle, timeout_s=5.0).transfer(handle, perturbed, 1, bucket=4096, stop_after=3)
-        assert sent["error"] == "the sender died"
-        assert isinstance(answers[0], Exception) and "group failed" in str(answers[0]), answers
-        info = handle.info.remote().result()
-        assert info["half_loaded"] and info["healthy"] and info["version"] == 0
-        with pytest.raises(RuntimeError, match="half loaded"):
-            handle.generate.remote([CHAT], SAMPLING).result()
-        handle.update_weights.remote(pack_weights(original.items(), "float32", 1 << 20), 2).result()
-        info = handle.info.remote().result()
-        assert not info["half_loaded"] and info["version"] == 2
-        again = handle.generate.remote([CHAT], SAMPLING).result()[0]
-        assert again["token_ids"] == before["token_ids"] and again["weight_version"] == 2
-    finally:
-        serve.delete(f"policy-half-loaded-{engine}")
+    handle = policies[engine]
+    before = handle.generate.remote([CHAT], SAMPLING).result()[0]
+    start = max(i["version"] for i in handle.broadcast("info").results())
+    original = {k: torch.from_numpy(v) for k, v in load_file(f"{default_model}/model.safetensors").items()}
+    perturbed = {k: v + 0.05 for k, v in original.items()}
+    answers, sent = Sender(handle, timeout_s=5.0).transfer(handle, perturbed, start + 1, bucket=4096, stop_after=3)
+    assert sent["error"] == "the sender died"
+    assert answers and all(isinstance(a, Exception) and "group failed" in str(a) for a in answers), answers
+    infos = handle.broadcast("info").results()
+    assert all(i["half_loaded"] and i["healthy"] and i["version"] == start for i in infos), infos
+    with pytest.raises(RuntimeError, match="half loaded"):
+        handle.generate.remote([CHAT], SAMPLING).result()
+    handle.broadcast("update_weights", pack_weights(original.items(), "float32", 1 << 20), start + 2).results()
+    infos = handle.broadcast("info").results()
+    assert all(not i["half_loaded"] and i["version"] == start + 2 for i in infos), infos
+    again = handle.generate.remote([CHAT], SAMPLING).result()[0]
+    assert again["token_ids"] == before["token_ids"] and again["weight_version"] == start + 2
 
 
 @pytest.mark.parametrize("engine", ["vllm-async", "hf"])

@@ -1,12 +1,14 @@
 """End to end, as a user runs it: `serve run serve_configs/test_tiny.yaml` as a subprocess (on the session's Ray
-cluster), polled over HTTP until done; every replica on the new weight version; a checkpoint that the agent
-endpoint serves; an env-group actor killed mid-rollout without losing the run; `resume: auto` continuing a
-stopped run at the next iteration; and async rollout under its staleness bound. These run last (conftest): `serve run` shuts Serve down when it exits."""
+cluster), polled over HTTP until done. One run's whole life in stages (kills, checkpoints here and in storage,
+serving, resumes); then the runs that need a config of their own, each as short as its assertion allows: async
+rollout under its staleness bound, replicas that fit no node, a full checkpoint disk, LoRA. These run last
+(conftest): `serve run` shuts Serve down when it exits."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 from pathlib import Path
 
@@ -58,46 +60,100 @@ def kill_one(title: str) -> int:
     return pid
 
 
-def test_train_kill_checkpoint_serve_and_resume(ray_cluster, serve_url, tmp_path):
+def wait_for_phase(url: str, phases: tuple[str, ...], run: ServeRun, timeout: float, what: str) -> dict:
+    """The run's status once its phase is one of `phases` or the run is done (polled often: a rollout of the tiny
+    config lasts about a second)."""
+    def reached() -> dict | None:
+        status = get_status(url)
+        return status if status["phase"] in phases or status["done"] else None
+
+    return wait_for(reached, timeout, what, run, interval=0.2)
+
+
+def trained_records(history: list[dict]) -> list[dict]:
+    return [r for r in history if r.get("phase") == "train"]
+
+
+def read_history(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def kept_checkpoints(run_dir: Path) -> list[str]:
+    return sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.name.startswith("iter_"))
+
+
+@pytest.mark.timeout(900)
+def test_a_run_lives_through_kills_checkpoints_serving_and_three_resumes(ray_cluster, serve_url, tmp_path,
+                                                                         s3_bucket):
+    """One run's whole life, as a user drives it with `serve run`, on the gloo weight group (the CPU twin of nccl:
+    every fault below also hits the collective path) with every checkpoint mirrored to S3-compatible storage and only
+    the newest kept (`keep: 1`, pinned ones aside). Each stage asserts what it showed:
+
+    1. train 4 iterations (warm start first) while an env-group actor, a Policy replica and a Train worker are
+       killed; the checkpoint's layout here and in storage; the gauges on Ray's metrics agent; the agent endpoint
+       serves the checkpoint;
+    2. resume to 7: an env-group actor killed once the checkpoint the run resumed from is older than the newest (a
+       restart must still find the model folder it loads: pinned), then the controller killed (the ingress's
+       health check starts it again and it resumes from the latest checkpoint); the KL goes on from the same
+       reference;
+    3. the run folder deleted (a new node or pod): the same config resumes from storage at the next iteration, with
+       the reference and the metrics history it had.
+    """
+    import shutil
+
     from ray import serve
 
+    from actors.checkpoint import STORAGE_COMPLETE
+    from actors.storage import Storage
     from app.agent import build_agent_app
 
-    # The cluster has one Serve instance whose HTTP port is fixed when it starts: both runs use the session's port,
-    # so the configs agree with the running instance (or with the one `serve run` starts after the first exits).
+    # The cluster has one Serve instance whose HTTP port is fixed when it starts: every run uses the session's port,
+    # so the configs agree with the running instance (or with the one `serve run` starts after the last exits).
     address = ray_cluster.get_runtime_context().gcs_address
     url = serve_url
     port = int(url.rsplit(":", 1)[1])
-    run = ServeRun(write_config(tmp_path, port, iterations=4, **GLOO), tmp_path / "run1.log", address)
+    run_dir = tmp_path / "runs" / "e2e-tiny"
+    stored = Storage(s3_bucket.format(key="runs/e2e-tiny"))
+
+    def config(iterations: int, name: str) -> Path:
+        return write_config(tmp_path, port, iterations=iterations, name=name, **GLOO,
+                            checkpoint={"every": 1, "keep": 1, "resume": "auto",
+                                        "storage": s3_bucket.format(key="runs")})
+
+    # ---- 1. train, with an env-group actor, a replica and a Train worker killed ------------------------------
+    serve.delete("train")  # an earlier test's run: the first status must come from this one
+    run = ServeRun(config(4, "stage1.yaml"), tmp_path / "stage1.log", address)
     try:
-        # Kill one env-group actor while a rollout is in flight; retry until a rollout was really hit.
-        for _ in range(5):
-            wait_for(lambda: get_status(url)["phase"] in ("rollout", "done"), 900, "a rollout", run)
-            if get_status(url)["done"]:
+        # An env-group actor killed while a rollout is in flight; again at the next one if that rollout had
+        # already ended (its iteration's record says whether its groups were redone or dropped).
+        for _ in range(4):
+            status = wait_for_phase(url, ("rollout",), run, 600, "a rollout")
+            if status["done"]:
                 break
             os.kill(env_actor_pids()[0], signal.SIGKILL)
-            wait_for(lambda: get_status(url)["phase"] != "rollout", 120, "the rollout to end", run)
-            history = httpx.get(f"{url}/metrics/history", timeout=5).json()
-            if sum(r.get("faults/rerolled_groups", 0) + r.get("faults/dropped_groups", 0) for r in history):
+            it = status["iteration"]
+            wait_for(lambda it=it: get_status(url)["iteration"] > it or get_status(url)["done"], 300,
+                     "the iteration to end", run)
+            if sum(r.get("faults/rerolled_groups", 0) + r.get("faults/dropped_groups", 0) for r in get_history(url)):
                 break
         # A policy replica killed while it serves a rollout: its requests are retried on the other one, and its
         # replacement loads the run's latest weights before Serve routes anything to it.
-        wait_for(lambda: get_status(url)["phase"] == "rollout" or get_status(url)["done"], 600, "a rollout", run)
+        wait_for_phase(url, ("rollout",), run, 300, "a rollout")
         kill_one("ray::ServeReplica:train:Policy")
         # A Train worker killed: the job ends, the controller starts a new one from the last checkpoint, rolls the
         # run back to it and redoes the iterations after it.
-        wait_for(lambda: get_status(url)["iteration"] >= 2 or get_status(url)["done"], 600, "iteration 2", run)
+        wait_for(lambda: get_status(url)["iteration"] >= 2 or get_status(url)["done"], 300, "iteration 2", run)
         kill_one("ray::RayTrainWorker")
-        status = wait_for(lambda: (s := get_status(url))["done"] and s, 900, "the run to finish", run)
-        assert status["phase"] == "done", status
-        assert status["iteration"] == 4
+        status = wait_for(lambda: (s := get_status(url))["done"] and s, 600, "the run to finish", run)
+        assert status["phase"] == "done" and status["iteration"] == 4, status
 
-        history = httpx.get(f"{url}/metrics/history", timeout=5).json()
-        train = [r for r in history if r.get("phase") == "train"]
+        history = get_history(url)
+        train = trained_records(history)
         assert [r["iteration"] for r in train] == [1, 2, 3, 4], "an iteration was lost or repeated"
         restarts = [r for r in history if r.get("phase") == "fault"]
         assert restarts and restarts[-1]["faults/trainer_restarts"] >= 1, "the Train job was not restarted"
-        assert "synced to the run's weight version" in run.log.read_text(), "the new replica did not sync"
+        log = run.log.read_text()
+        assert "synced to the run's weight version" in log, "the new replica did not sync"
         assert sum(r["faults/rerolled_groups"] + r["faults/dropped_groups"] for r in train) > 0, \
             "the killed actor's groups were neither re-rolled nor counted as dropped"
         assert all(r["data/rows"] > 0 for r in train)
@@ -108,35 +164,40 @@ def test_train_kill_checkpoint_serve_and_resume(ray_cluster, serve_url, tmp_path
         assert "val/random_policy_success" in history[0]
         assert any("val/success_rate" in r for r in train)
 
-        # Every replica reports the final weight version.
+        # Every replica reports the final weight version, and the version counts every transfer: the warm start's,
+        # each update that went out (a redone iteration's too: one console line each), each restore from a
+        # checkpoint, each transfer over the group that failed and went through the object store instead (logged
+        # once each), each re-broadcast to a replica that fell behind.
         policy = serve.get_deployment_handle("Policy", app_name="train")
         versions = {i["version"] for i in policy.broadcast("info").results()}
         warm_start_broadcasts = sum(r.get("phase") == "warm_start" for r in history)
         assert warm_start_broadcasts == 1
-        # Each restart from a checkpoint puts that checkpoint's weights on the replicas under a new version, so
-        # versions only ever grow (rows sampled before the restart read as stale).
+        updates = log.count("[raygent] iter ")
         restores = sum(r.get("faults/restored_from") is not None for r in restarts)
-        # a transfer over the group that failed (a member killed mid-transfer) went through the object store
-        # under the next version: counted, and logged once each
         fallbacks = train[-1]["faults/weight_sync_fallbacks"]
-        log = run.log.read_text()
         assert log.count("through the object store") == fallbacks, fallbacks
         resent = log.count("re-broadcasting")
         assert versions == {status["weight_version"]}
-        assert status["weight_version"] == 4 + warm_start_broadcasts + restores + fallbacks + resent, \
-            (status, restores, fallbacks, resent)
+        assert status["weight_version"] == updates + warm_start_broadcasts + restores + fallbacks + resent, \
+            (status, updates, restores, fallbacks, resent)
 
         checkpoint = Path(status["last_checkpoint"])
-        assert checkpoint.name == "iter_000004"
+        assert checkpoint == run_dir / "checkpoints" / "iter_000004"
         for f in ("model/model.safetensors", "model/config.json", "model/tokenizer.json",
                   "train_state/.metadata", "train_state/__0_0.distcp", "train_state/__1_0.distcp", "state.json"):
             assert (checkpoint / f).exists(), f
         assert not list(checkpoint.parent.glob(".tmp-*")), "a temporary checkpoint folder was left behind"
-        # The KL reference is the policy after the warm start, kept outside the rotating checkpoints (keep: 2).
+        # keep: 1 (nothing pinned: the run started from the built model), here and in storage
+        assert kept_checkpoints(run_dir) == ["iter_000004"]
+        assert stored.folders("checkpoints") == ["iter_000004"], "rotation did not apply in storage"
+        for f in (STORAGE_COMPLETE, "state.json", "model/model.safetensors", "model/raygent_agent.json",
+                  "train_state/.metadata"):
+            assert stored.exists(f"checkpoints/iter_000004/{f}"), f
+        # The KL reference is the policy after the warm start, kept outside the rotating checkpoints.
         state = json.loads((checkpoint / "state.json").read_text())
         assert state["layout_version"] == LAYOUT_VERSION and state["reference_model"] == "reference"
-        assert (checkpoint.parent.parent / "reference" / "model.safetensors").exists()
-        assert not (checkpoint.parent / "iter_000000").exists(), "the warm start's checkpoint should have rotated"
+        assert (run_dir / "reference" / "model.safetensors").exists()
+        assert stored.exists("reference/model.safetensors") and stored.exists("metrics.jsonl")
         kl_before = [r["train/kl"] for r in train]
         assert kl_before[-1] > 0, kl_before
 
@@ -157,70 +218,64 @@ def test_train_kill_checkpoint_serve_and_resume(ray_cluster, serve_url, tmp_path
         assert httpx.get(f"{url}/ckpt/v1/models", timeout=10).json()["data"][0]["id"] == "model"
     finally:
         run.stop()
-
-    # Resume: the same run with more iterations continues at iteration 5 from the latest checkpoint.
     serve.delete("agent-ckpt")
     serve.delete("train")  # whatever serve run left behind: the next status must come from the resumed run
-    run = ServeRun(write_config(tmp_path, port, iterations=6, name="config2.yaml", **GLOO), tmp_path / "run2.log",
-                   address)
+
+    # ---- 2. resume; an env-group actor, then the controller killed --------------------------------------------
+    run = ServeRun(config(7, "stage2.yaml"), tmp_path / "stage2.log", address)
     try:
+        # iteration 5 checkpointed: keep 1 would now rotate iter_000004 away, but the run's replicas and env-group
+        # actors load their starting model from it, so it is pinned; a restarted actor finds it.
+        wait_for(lambda: get_status(url)["iteration"] >= 5, 600, "iteration 5", run)
+        wait_for_phase(url, ("rollout",), run, 300, "a rollout after iteration 5")
+        os.kill(env_actor_pids()[0], signal.SIGKILL)
         # The controller killed: the ingress's health check starts it again, and it resumes from the latest
         # checkpoint; the metrics after that checkpoint are cut, so no iteration is logged twice.
-        wait_for(lambda: get_status(url)["phase"] in ("rollout", "learning") and get_status(url)["iteration"] >= 4,
-                 600, "the resumed run to train", run)
+        wait_for(lambda: (s := get_status(url))["iteration"] >= 6 and s["phase"] in ("rollout", "learning"), 300,
+                 "iteration 6 to train", run)
         kill_one("ray::Controller")
-        status = wait_for(lambda: (s := get_status(url))["done"] and s["iteration"] >= 5 and s, 900,
-                          "the resumed run to finish", run)
-        assert status["phase"] == "done" and status["iteration"] == 6
-        history = httpx.get(f"{url}/metrics/history", timeout=5).json()
-        train = [r["iteration"] for r in history if r.get("phase") == "train"]
-        assert train == [1, 2, 3, 4, 5, 6], train  # resumed history: nothing repeated, nothing skipped
-        assert "resuming" in run.log.read_text()
-        # The KL continues from the same reference: a reference reloaded from the resumed weights would read
-        # exactly 0 on the first minibatch after the resume.
-        kl_after = {r["iteration"]: r["train/kl"] for r in history if r.get("phase") == "train"}
-        assert kl_after[5] > 0.5 * kl_before[-1], (kl_before, kl_after)
+        status = wait_for(lambda: (s := get_status(url))["done"] and s, 600, "the resumed run to finish", run)
     finally:
         run.stop()
+    serve.delete("train")
+    assert status["phase"] == "done" and status["iteration"] == 7, status
+    history = read_history(run_dir)
+    train = trained_records(history)
+    assert [r["iteration"] for r in train] == [1, 2, 3, 4, 5, 6, 7]  # nothing repeated, nothing skipped
+    log = run.log.read_text()
+    resumed = re.findall(r"resuming e2e-tiny from \S*/(iter_\d+)", log)
+    assert len(resumed) == 2 and resumed[0] == "iter_000004", resumed  # the run, then its restarted controller
+    # The KL goes on from the same reference: a reference reloaded from the resumed weights would read exactly 0 on
+    # the first minibatch after a resume.
+    kl_after = {r["iteration"]: r["train/kl"] for r in train}
+    assert kl_after[5] > 0.5 * kl_before[-1] and all(v > 0 for v in kl_after.values()), (kl_before, kl_after)
+    # keep 1, plus what the run pinned: the checkpoint its processes start from, and the one its restarted
+    # controller resumed from; storage keeps what the run folder keeps
+    kept = sorted({"iter_000004", resumed[1], "iter_000007"})
+    assert kept_checkpoints(run_dir) == kept
+    assert stored.folders("checkpoints") == kept
 
-
-def test_two_resumes_with_keep_1_and_a_restart_after_the_last(ray_cluster, serve_url, tmp_path):
-    """The issue that killed long runs: after a resume the run's processes loaded `<resumed checkpoint>/model`,
-    which `keep: 1` rotated away, so the next actor restart failed. Three runs of one iteration each (a resume
-    from a resumed run's checkpoint), every iteration checkpointed and only the last kept, KL on; then an
-    env-group actor killed in the last run: the run still finishes, nothing repeated or skipped, the KL never
-    restarts from 0."""
-    from ray import serve
-
-    address = ray_cluster.get_runtime_context().gcs_address
-    port = int(serve_url.rsplit(":", 1)[1])
-    serve.delete("train")  # an earlier test's run: the first status must come from this one
-    for iterations in (1, 2, 3):
-        config = training_config(REPO / "serve_configs" / "test_tiny.yaml", tmp_path / f"config{iterations}.yaml",
-                                 port, tmp_path / "runs", iterations=iterations,
-                                 checkpoint={"every": 1, "keep": 1, "resume": "auto"})
-        run = ServeRun(config, tmp_path / f"run{iterations}.log", address)
-        try:
-            if iterations == 3:  # the second resume: a restart must find every model folder it needs
-                wait_for(lambda: get_status(serve_url)["phase"] == "rollout" or get_status(serve_url)["done"],
-                         600, "a rollout", run)
-                os.kill(env_actor_pids()[0], signal.SIGKILL)
-            status = wait_for(lambda: (s := get_status(serve_url))["done"] and s, 600, f"run {iterations}", run)
-            assert status["phase"] == "done" and status["iteration"] == iterations, status
-            if iterations > 1:
-                assert "resuming" in run.log.read_text()
-        finally:
-            run.stop()
-        serve.delete("train")
-    runs = tmp_path / "runs" / "e2e-tiny"
-    history = [json.loads(line) for line in (runs / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    train = [r for r in history if r.get("phase") == "train"]
-    assert [r["iteration"] for r in train] == [1, 2, 3]
-    assert all(r["train/kl"] > 0 for r in train), [r["train/kl"] for r in train]
-    # keep: 1 rotated iteration 1 away; 2 stays while the run that resumed from it lives (pinned)
-    kept = sorted(p.name for p in (runs / "checkpoints").iterdir() if p.name.startswith("iter_"))
-    assert kept == ["iter_000002", "iter_000003"], kept
-    assert (runs / "reference" / "model.safetensors").exists()
+    # ---- 3. a new node: the run folder gone, the run resumes from storage ------------------------------------
+    shutil.rmtree(run_dir)
+    run = ServeRun(config(8, "stage3.yaml"), tmp_path / "stage3.log", address)
+    try:
+        status = wait_for(lambda: (s := get_status(url))["done"] and s, 600, "the run resumed from storage", run)
+    finally:
+        run.stop()
+    serve.delete("train")
+    assert status["phase"] == "done" and status["iteration"] == 8, status
+    log = run.log.read_text()
+    assert "fetched iter_000007" in log and "resuming" in log, log[-3000:]
+    history = read_history(run_dir)
+    assert [r["iteration"] for r in trained_records(history)] == list(range(1, 9))
+    assert all(r["faults/storage_failures"] == 0 for r in trained_records(history))
+    state = json.loads((run_dir / "checkpoints" / "iter_000008" / "state.json").read_text())
+    assert state["reference_model"] == "reference" and (run_dir / "reference" / "model.safetensors").exists()
+    # the resumed-from checkpoint stays (pinned) beside the newest; storage drops what the run folder no longer has
+    assert kept_checkpoints(run_dir) == ["iter_000007", "iter_000008"]
+    assert stored.folders("checkpoints") == ["iter_000007", "iter_000008"]
+    for f in (STORAGE_COMPLETE, "state.json", "model/model.safetensors", "train_state/.metadata"):
+        assert stored.exists(f"checkpoints/iter_000008/{f}"), f
 
 
 def test_async_rollout_bounds_staleness_survives_kills_and_stops_with_a_checkpoint(ray_cluster, serve_url, tmp_path):
@@ -237,7 +292,10 @@ def test_async_rollout_bounds_staleness_survives_kills_and_stops_with_a_checkpoi
     config = training_config(REPO / "serve_configs" / "test_tiny.yaml", tmp_path / "config.yaml", port,
                              tmp_path / "runs", run_name="e2e-async", iterations=30, warm_start={"enabled": False},
                              env={"name": "sokoban", "kwargs": {"max_steps": 6}},  # short untrained episodes
-                             rollout={"n_groups": 4, "group_size": 4, "num_env_actors": 2, "max_tokens": 12,
+                             # An update lands mid-rollout only when a rollout outlasts an update (then it lands
+                             # about one update's time into the next rollout): the untrained model writes
+                             # max_tokens of noise at every step, so 40 of them make a rollout ~3x an update.
+                             rollout={"n_groups": 4, "group_size": 4, "num_env_actors": 2, "max_tokens": 40,
                                       "mode": "async", "max_staleness": 1},
                              optim={"lr": 1.0e-3, "minibatch_size": 128, "micro_batch_size": 64,
                                     "old_logprobs": "recompute", "rollout_correction": "tis"},
@@ -295,10 +353,11 @@ def test_policy_replicas_that_fit_no_node_fail_the_run_with_serves_reason(ray_cl
     config = training_config(REPO / "serve_configs" / "test_tiny.yaml", tmp_path / "config.yaml", port,
                              tmp_path / "runs", run_name="e2e-unplaced", warm_start={"enabled": False},
                              rollout={"n_groups": 4, "group_size": 4, "num_env_actors": 2, "max_tokens": 12,
-                                      "policy_timeout_s": 20})
+                                      "policy_timeout_s": 10})
     spec = yaml.safe_load(config.read_text())
     (policy,) = [d for d in spec["applications"][0]["deployments"] if d["name"] == "Policy"]
     policy["ray_actor_options"]["resources"] = {"no_such_node": 1}
+    policy["graceful_shutdown_timeout_s"] = 1  # replicas never placed: deleting the app need not wait 20 s for them
     config.write_text(yaml.safe_dump(spec))
     run = ServeRun(config, tmp_path / "run.log", address)
     try:
@@ -318,7 +377,6 @@ def test_a_full_checkpoint_disk_keeps_the_last_checkpoint_and_the_run_goes_on(tm
     The refused checkpoint is logged and counted, the previous one stays intact and loadable, and once space is
     back the run checkpoints again and finishes."""
     import subprocess
-    import time
 
     from tests.serve_helpers import SERVE
     from tests.update_helpers import free_port
@@ -379,9 +437,9 @@ def test_a_full_checkpoint_disk_keeps_the_last_checkpoint_and_the_run_goes_on(tm
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
-        time.sleep(1)
 
 
+@pytest.mark.timeout(480)
 def test_a_lora_run_sends_adapters_checkpoints_them_resumes_and_serves_base_plus_adapter(ray_cluster, serve_url,
                                                                                           tmp_path):
     """`policy.lora` from `serve run`: the Train job trains an adapter (FSDP2, the base frozen), the replicas serve
@@ -406,7 +464,7 @@ def test_a_lora_run_sends_adapters_checkpoints_them_resumes_and_serves_base_plus
                                validation={"every": 0, "n_envs": 8, "baseline_envs": 0},
                                checkpoint={"every": 1, "keep": 2, "resume": "auto"})
 
-    for iterations, name in ((2, "first"), (3, "resumed")):
+    for iterations, name in ((1, "first"), (2, "resumed")):
         run = ServeRun(config(iterations, f"{name}.yaml"), tmp_path / f"{name}.log", address)
         try:
             status = wait_for(lambda: (s := get_status(serve_url))["done"] and s, 600, f"the {name} run", run)
@@ -419,18 +477,18 @@ def test_a_lora_run_sends_adapters_checkpoints_them_resumes_and_serves_base_plus
     runs = tmp_path / "runs" / "e2e-lora"
     history = [json.loads(line) for line in (runs / "metrics.jsonl").read_text().splitlines() if line.strip()]
     train = [r for r in history if r.get("phase") == "train"]
-    assert [r["iteration"] for r in train] == [1, 2, 3]
+    assert [r["iteration"] for r in train] == [1, 2]
     # The replicas sample from exactly the trainer's policy: base + the adapter it sent (and after the resume,
     # base + the checkpoint's adapter): the first PPO ratio is 1 up to numerics.
     assert all(r["train/rollout_trainer_logprob_gap"] < 1e-3 for r in train), \
         [r["train/rollout_trainer_logprob_gap"] for r in train]
     # The reference is the base (the adapter off): a fresh adapter (B = 0) is the base, so iteration 1's KL is 0;
-    # once the adapter has trained it is not, and after the resume it is not either (the adapter came back, not a
-    # fresh one; KL is taken before each iteration's one update).
+    # after the resume it is not (the adapter iteration 1 trained came back, not a fresh one; KL is taken before
+    # each iteration's one update).
     kl = [r["train/kl"] for r in train]
-    assert kl[0] == 0 and kl[1] > 0 and kl[2] > 0, kl
+    assert kl[0] == 0 and kl[1] > 0, kl
 
-    checkpoint = runs / "checkpoints" / "iter_000003"
+    checkpoint = runs / "checkpoints" / "iter_000002"
     state = json.loads((checkpoint / "state.json").read_text())
     assert state["layout_version"] == LAYOUT_VERSION and Path(state["base_model"]).is_dir()
     adapter_bytes = (checkpoint / "adapter" / "adapter_model.safetensors").stat().st_size
@@ -457,56 +515,6 @@ def test_a_lora_run_sends_adapters_checkpoints_them_resumes_and_serves_base_plus
     finally:
         serve.delete("agent-merged")
         serve.delete("agent-adapter")
-
-
-def test_checkpoints_go_to_storage_and_a_run_resumes_from_there_on_an_empty_disk(ray_cluster, serve_url, tmp_path,
-                                                                                 s3_bucket):
-    """`checkpoint.storage` on an S3-compatible server: each checkpoint is copied there (files, then its marker;
-    the KL reference and the metrics with it), rotation applies there too; then the run folder is deleted (a new
-    node or pod) and the same config resumes from storage: the next iteration, not the first, with the reference
-    and the metrics history it had."""
-    import shutil
-
-    from ray import serve
-
-    from actors.checkpoint import STORAGE_COMPLETE
-    from actors.storage import Storage
-
-    address = ray_cluster.get_runtime_context().gcs_address
-    port = int(serve_url.rsplit(":", 1)[1])
-    serve.delete("train")
-    storage_uri = s3_bucket.format(key="runs")
-    runs = tmp_path / "runs" / "e2e-tiny"
-    for iterations in (2, 3):
-        config = training_config(REPO / "serve_configs" / "test_tiny.yaml", tmp_path / f"config{iterations}.yaml",
-                                 port, tmp_path / "runs", iterations=iterations,
-                                 checkpoint={"every": 1, "keep": 1, "resume": "auto", "storage": storage_uri})
-        run = ServeRun(config, tmp_path / f"run{iterations}.log", address)
-        try:
-            status = wait_for(lambda: (s := get_status(serve_url))["done"] and s, 600, f"run {iterations}", run)
-        finally:
-            run.stop()
-        serve.delete("train")
-        assert status["phase"] == "done" and status["iteration"] == iterations, status
-        stored = Storage(s3_bucket.format(key="runs/e2e-tiny"))
-        # keep: 1 in storage as in the run folder: the resumed run keeps the checkpoint it resumed from (pinned)
-        expected = ["iter_000002"] if iterations == 2 else ["iter_000002", "iter_000003"]
-        assert stored.folders("checkpoints") == expected, "rotation did not apply in storage"
-        for f in (STORAGE_COMPLETE, "state.json", "model/model.safetensors", "model/raygent_agent.json",
-                  "train_state/.metadata"):
-            assert stored.exists(f"checkpoints/iter_{iterations:06d}/{f}"), f
-        assert stored.exists("reference/model.safetensors") and stored.exists("metrics.jsonl")
-        if iterations == 2:  # a new node: nothing of the run on its disk
-            shutil.rmtree(runs)
-        else:
-            log = run.log.read_text()
-            assert "fetched iter_000002" in log and "resuming" in log, log[-3000:]
-
-    history = [json.loads(line) for line in (runs / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    assert [r["iteration"] for r in history if r.get("phase") == "train"] == [1, 2, 3]
-    assert all(r["faults/storage_failures"] == 0 for r in history if r.get("phase") == "train")
-    state = json.loads((runs / "checkpoints" / "iter_000003" / "state.json").read_text())
-    assert state["reference_model"] == "reference" and (runs / "reference" / "model.safetensors").exists()
 
 
 def test_unwritable_storage_fails_before_any_actor_starts(s3_bucket):
