@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 export RAY_USAGE_STATS_ENABLED ?= 0
 export PIP_DISABLE_PIP_VERSION_CHECK = 1
 
-.PHONY: install train test test-fast lint bench clean
+.PHONY: install train test test-fast docs lint bench clean
 
 install: $(STAMP)
 
@@ -37,6 +37,10 @@ test: install
 test-fast: install
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
+# The documentation site (mkdocs.yml), built strictly: a broken link or a page outside the nav fails it.
+docs: install
+	$(VENV)/bin/mkdocs build --strict
+
 lint: install
 	$(VENV)/bin/ruff check .
 
@@ -44,4 +48,4 @@ bench: install
 	$(PY) benchmarks/bench_advantages.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache site

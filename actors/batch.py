@@ -106,3 +106,20 @@ def split_for_workers(ds: ray.data.Dataset, n_workers: int) -> list[ray.data.Dat
     """One shard per worker that together hold every row (`Dataset.split(equal=True)` drops the remainder)."""
     bounds = np.cumsum(shard_sizes(ds.count(), n_workers))[:-1].tolist()
     return ds.split_at_indices(bounds) if bounds else [ds]
+
+
+def training_batch(prepared: list[Any], algo: AlgorithmConfig, n_workers: int, group_size: int):
+    """The iteration's Dataset from its prepared group blocks, one shard per training worker (no row dropped), a
+    summary of its rows (group, trajectory, anchor, advantage, weight version) and what its groups hold: groups that
+    lack a trajectory (must be 0: a group trains whole or not at all) and groups whose rows span weight versions
+    (async mode: an update landed mid-episode). (None, summary, None, {}) when no row is left. Blocks on Ray Data
+    tasks: call it off an event loop."""
+    ds = build_batch(prepared, algo)
+    summary = ds.select_columns(["group_id", "traj_id", "anchor", "advantage", "weight_version"]).to_pandas()
+    if len(summary) == 0:
+        return None, summary, None, {}
+    per_group = summary.groupby("group_id").agg(trajs=("traj_id", "nunique"), versions=("weight_version", "nunique"))
+    checks = {"data/groups": len(per_group),
+              "data/incomplete_groups": int((per_group["trajs"] != group_size).sum()),
+              "data/mixed_version_groups": int((per_group["versions"] > 1).sum())}
+    return ds, summary, split_for_workers(ds, n_workers), checks

@@ -81,7 +81,7 @@ class PolicyConfig(_Section):
                                                     "weights from it before it serves (set by the training app)")
     lora: LoraConfig | None = Field(None, description="train a LoRA adapter instead of the full weights: the "
                                                       "replicas serve `model` plus the latest adapter, and updates "
-                                                      "send only the adapter (README, LoRA)")
+                                                      "send only the adapter (docs/lora.md)")
     adapter: str | None = Field(None, description="serve `model` plus this adapter folder (a checkpoint's "
                                                   "adapter/, or any peft LoRA folder)")
 
@@ -153,13 +153,13 @@ class RolloutConfig(_Section):
                                                     "% requests_per_step), so its prefix cache holds the group's "
                                                     "shared first prompt and each trajectory's earlier steps; off: "
                                                     "Serve's routing by queue length (as fast or faster here, with "
-                                                    "the same hit rate: README, Performance)")
+                                                    "the same hit rate: docs/performance.md)")
     policy_timeout_s: float = Field(300.0, gt=0, description="deadline of one policy call (a batch of prompts); "
                                                               "past it the call is retried once, then the "
                                                               "actor's groups are redone or dropped")
     mode: Literal["sync", "async"] = Field(
         "sync", description="sync: each iteration's rollout, then its update; async: the rollouts of the next "
-                            "max_staleness iterations run while the Train job updates (README, Async rollout)")
+                            "max_staleness iterations run while the Train job updates (docs/async.md)")
     max_staleness: int | None = Field(
         None, ge=1, le=8, description="async only (default 1): the most weight versions a trained row may lag the "
                                       "trainer's; older rows are left out of the loss and counted")
@@ -313,8 +313,8 @@ class WeightSyncConfig(_Section):
     backend: Literal["object_store", "gloo", "nccl"] = Field(
         "object_store", description="object_store: buckets through Ray's object store (any hardware); nccl: "
                                     "broadcast from Train rank 0 to every replica's engine, GPU to GPU (needs "
-                                    "GPUs on both sides); gloo: the same broadcast over CPU memory (README, Weight "
-                                    "sync)")
+                                    "GPUs on both sides); gloo: the same broadcast over CPU memory "
+                                    "(docs/weight-sync.md)")
     bucket_mb: int = Field(256, ge=1, description="most MiB per bucket (a larger tensor travels alone)")
     timeout_s: float = Field(120.0, ge=5.0, description="gloo / nccl: how long a member waits for the others "
                                                         "(the replicas finish their running requests first); past "
@@ -343,7 +343,7 @@ class CheckpointConfig(_Section):
     storage: str | None = Field(None, description="a URI (s3://bucket/runs, gs://...) or a path where every "
                                                   "checkpoint is also copied, under <storage>/<run_name>, with the "
                                                   "metrics; a run whose folder lacks its checkpoints resumes from "
-                                                  "there (README, Scaling out)")
+                                                  "there (docs/scaling-out.md)")
 
     def run_storage(self, run_name: str) -> Storage | None:
         """The run's folder in storage (None without `storage`)."""
@@ -357,7 +357,7 @@ class PlacementConfig(_Section):
     """Where the run's actors go, by Ray resources: a node started with `--resources '{"trainer_node": 4}'` takes
     the Train workers that ask for `trainer_node`. The Policy replicas are placed by their Serve deployment
     (`ray_actor_options: {resources, num_gpus}`, `max_replicas_per_node`). Each set is checked against the
-    cluster's nodes before any actor starts (README, Scaling out)."""
+    cluster's nodes before any actor starts (docs/scaling-out.md)."""
 
     controller: dict[str, float] = Field(default_factory=dict, description="resources of the controller actor "
                                                                           "(it keeps the run folder)")
@@ -445,7 +445,7 @@ class TrainConfig(_Section):
             raise ValueError("rollout.mode 'async' trains on rows sampled by older weights: it needs "
                              "optim.old_logprobs 'recompute' (got "
                              f"{self.optim.old_logprobs!r}) and optim.rollout_correction 'tis' or 'mask' (got "
-                             f"{self.optim.rollout_correction!r}): decoupled PPO (README, Async rollout)")
+                             f"{self.optim.rollout_correction!r}): decoupled PPO (docs/async.md)")
         return self
 
     @model_validator(mode="after")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -190,6 +191,32 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 FRAMEWORK_LOGGERS = ("ray.train", "ray.data", "ray.tune", "transformers", "vllm", "filelock", "urllib3")
+
+
+def console_logger() -> logging.Logger:
+    """The run's console: the "raygent" logger, INFO, one "[raygent] ..." line per message on stdout (the `serve run`
+    console shows it)."""
+    logger = logging.getLogger("raygent")
+    if not any(getattr(h, "_raygent", False) for h in logger.handlers):
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("[raygent] %(message)s"))
+        handler._raygent = True  # type: ignore[attr-defined]
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+    return logger
+
+
+def iteration_line(r: dict[str, Any], iterations: int, show_async: bool) -> str:
+    """An iteration's record as its console line."""
+    val = f" | val success {100 * r['val/success_rate']:.1f}%" if "val/success_rate" in r else ""
+    staleness = (f" | staleness max {r.get('train/staleness_max', 0)} overlap "
+                 f"{100 * r.get('perf/overlap_share', 0):.0f}%" if show_async else "")
+    return (f"iter {r['iteration']}/{iterations} | success {100 * r.get('train/success_rate', 0):.1f}% | return "
+            f"{r.get('train/return', 0.0):.2f} | valid {100 * r.get('train/valid_action_ratio', 0):.1f}% | steps/s "
+            f"{r.get('perf/env_steps_per_s', 0):.0f} | rollout {r.get('time/rollout_s', 0):.1f}s data "
+            f"{r.get('time/dataset_s', 0):.1f}s train {r.get('time/train_s', 0):.1f}s bcast "
+            f"{r.get('time/broadcast_s', 0):.2f}s{val}{staleness}")
 
 
 def quiet_frameworks(level: str = "WARNING") -> None:

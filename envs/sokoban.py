@@ -235,7 +235,7 @@ class Sokoban(TextEnv):
         self.num_gen_steps = num_gen_steps
         # A line under the grid: row/column numbers (True or "absolute"), or "relative" offsets (the box from you,
         # the target from the box), which a tiny model maps to a move much sooner than it counts cells across lines
-        # or subtracts coordinates (see README, "The CPU default"). Derived from the state alone: anchors stay exact.
+        # or subtracts coordinates (see docs/cpu-default.md). Derived from the state alone: anchors stay exact.
         if show_positions not in (False, True, "absolute", "relative"):
             raise ValueError(f"show_positions={show_positions!r}; allowed: false, true, 'absolute', 'relative'")
         self.show_positions = "absolute" if show_positions is True else show_positions

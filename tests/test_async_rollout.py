@@ -9,8 +9,8 @@ import yaml
 from pydantic import ValidationError
 
 from actors.config import TrainConfig
-from actors.controller import overlap_share
 from actors.learner import fresh_rows
+from actors.rollouts import overlap_share
 from tests.conftest import REPO
 
 

@@ -165,9 +165,11 @@ def test_a_run_lives_through_kills_checkpoints_serving_and_three_resumes(ray_clu
         assert any("val/success_rate" in r for r in train)
 
         # Every replica reports the final weight version, and the version counts every transfer: the warm start's,
-        # each update that went out (a redone iteration's too: one console line each), each restore from a
+        # each update that went out (one console line each, a redone iteration's too), each restore from a
         # checkpoint, each transfer over the group that failed and went through the object store instead (logged
-        # once each), each re-broadcast to a replica that fell behind.
+        # once each), each re-broadcast to a replica that fell behind. A Train job that fails after its update went
+        # out but before the iteration's line (in its checkpoint) adds one version no line shows: one per restart
+        # at most.
         policy = serve.get_deployment_handle("Policy", app_name="train")
         versions = {i["version"] for i in policy.broadcast("info").results()}
         warm_start_broadcasts = sum(r.get("phase") == "warm_start" for r in history)
@@ -178,7 +180,8 @@ def test_a_run_lives_through_kills_checkpoints_serving_and_three_resumes(ray_clu
         assert log.count("through the object store") == fallbacks, fallbacks
         resent = log.count("re-broadcasting")
         assert versions == {status["weight_version"]}
-        assert status["weight_version"] == updates + warm_start_broadcasts + restores + fallbacks + resent, \
+        counted = updates + warm_start_broadcasts + restores + fallbacks + resent
+        assert counted <= status["weight_version"] <= counted + restarts[-1]["faults/trainer_restarts"], \
             (status, updates, restores, fallbacks, resent)
 
         checkpoint = Path(status["last_checkpoint"])
