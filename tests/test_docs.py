@@ -31,7 +31,7 @@ def test_the_configuration_reference_names_every_field():
 
     page = render()
     for section in ("policy", "rollout", "optim", "checkpoint", "weight_sync", "placement"):
-        fields = getattr(TrainConfig.model_fields[section].annotation, "model_fields")
+        fields = TrainConfig.model_fields[section].annotation.model_fields
         for name in fields:
             if not hasattr(fields[name].annotation, "model_fields"):
                 assert f"`{section}.{name}`" in page, f"{section}.{name}"
