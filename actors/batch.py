@@ -7,6 +7,9 @@ where an estimator needs them) and one shard per training worker that keeps ever
 
 from __future__ import annotations
 
+import asyncio
+import logging
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -95,6 +98,29 @@ def build_batch(prepared: list[Any], algo: AlgorithmConfig) -> ray.data.Material
         moments = moments.merge(Moments(part["count"], part["mean"], part["m2"]))
     finish = {"estimator": algo.estimator, "params": algo.params, "moments": moments.__dict__}
     return ds.map_batches(finish_advantages, fn_kwargs=finish, **map_args).materialize()
+
+
+async def built_within(deadline_s: float, what: str, build: Callable[..., Any], *args: Any) -> Any:
+    """`build(*args)`, Ray Data work that blocks on tasks, in a thread (the event loop keeps answering) and with a
+    deadline. Ray Data's metadata and split tasks each need a whole CPU of some node: where every node has less than
+    one free (the run's actors, a placement group an earlier run left), they wait forever and so would the run. It
+    says so after a minute (or half the deadline), and past the deadline the run fails, naming what it waited for and the free CPUs."""
+
+    def free() -> str:
+        return (f"{ray.available_resources().get('CPU', 0.0):.2f} of the cluster's "
+                f"{ray.cluster_resources().get('CPU', 0.0):.0f} CPUs are free")
+
+    building = asyncio.ensure_future(asyncio.to_thread(build, *args))
+    first = min(60.0, deadline_s / 2)
+    done, _ = await asyncio.wait({building}, timeout=first)
+    if not done:
+        logging.getLogger("raygent").warning("%s: still waiting after %.0fs for Ray Data's tasks, which need a whole "
+                                             "free CPU of some node (%s)", what, first, free())
+        done, _ = await asyncio.wait({building}, timeout=deadline_s - first)
+    if not done:
+        raise RuntimeError(f"{what} was not built within {deadline_s:.0f}s (trainer.stall_timeout_s): Ray Data's "
+                           f"tasks each wait for a whole free CPU of some node ({free()})")
+    return building.result()
 
 
 def shard_sizes(n_rows: int, n_shards: int) -> list[int]:

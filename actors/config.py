@@ -269,6 +269,11 @@ class TrainerConfig(_Section):
     task_timeout_s: float = Field(1800.0, gt=0, description="deadline of one Train task (an update, a warm-start "
                                                              "chunk, a checkpoint) and of every collective in it: "
                                                              "past it the job is ended and restarted")
+    stall_timeout_s: float = Field(600.0, gt=0, description="longest a Train task may go without any rank making "
+                                                            "progress (a rank stopped, or blocked on something that "
+                                                            "never comes): past it the job is ended and restarted, "
+                                                            "the message naming the phase and what each rank was "
+                                                            "doing")
     max_restarts: int = Field(3, ge=0, description="Train job restarts from the last checkpoint before the run "
                                                    "fails")
 
@@ -340,6 +345,10 @@ class CheckpointConfig(_Section):
     keep: int = Field(3, ge=1)
     resume: str = Field("auto", description='"auto" (latest in the run folder, else in storage), "never", or a '
                                             "checkpoint folder")
+    shared_disk: bool = Field(False, description="output_dir and the model cache (RAYGENT_CACHE, else "
+                                                "~/.cache/raygent) are on a disk every node mounts at the same path "
+                                                "(NFS, a ReadWriteMany volume): a run over several nodes needs no "
+                                                "storage then (docs/scaling-out.md)")
     storage: str | None = Field(None, description="a URI (s3://bucket/runs, gs://...) or a path where every "
                                                   "checkpoint is also copied, under <storage>/<run_name>, with the "
                                                   "metrics; a run whose folder lacks its checkpoints resumes from "
@@ -566,7 +575,7 @@ class AgentCard(_Section):
 # update independent of micro-batch size and worker count). Anything else would silently train another objective.
 RESUMABLE_CHANGES = (
     "iterations", "checkpoint", "logging", "validation.every", "trainer.num_workers", "trainer.strategy",
-    "trainer.cpus_per_worker", "trainer.task_timeout_s", "trainer.max_restarts",
+    "trainer.cpus_per_worker", "trainer.task_timeout_s", "trainer.stall_timeout_s", "trainer.max_restarts",
     "trainer.activation_checkpointing", "optim.micro_batch_size", "rollout.num_env_actors", "rollout.env_actor_cpus",
     "rollout.requests_per_step", "rollout.route_by_group", "policy.engine", "policy.max_batch_size", "policy.batch_wait_timeout_s",
     "policy.kv_cache_bytes", "policy.gpu_memory_utilization", "policy.log_level", "output_dir", "weight_sync",

@@ -27,7 +27,7 @@ import numpy as np
 import ray
 
 import envs
-from actors.batch import training_batch
+from actors.batch import built_within, training_batch
 from actors.checkpoint import fetch_checkpoint, load_state, reference_model_of
 from actors.checkpointer import Checkpointer
 from actors.metrics import MetricsSink, console_logger, iteration_line, quiet_frameworks
@@ -152,6 +152,17 @@ class Controller:
             logger.exception("the run failed")
         finally:
             self.checkpoints.release_requests()
+            await self._release()
+
+    async def _release(self) -> None:
+        """A run that ended holds nothing: its env-group actors go, and a failed run's Train job with its placement
+        group (a new run on this cluster starts clean). The controller stays, to answer for the run."""
+        try:
+            if self.phase == "failed" and self.train_job is not None:
+                await self.train_job.kill()
+            self.pool.stop()
+        except Exception as e:  # the run's outcome stands whatever this finds
+            logger.warning("releasing the run's actors: %s", e)
 
     async def _setup(self) -> None:
         cfg = self.cfg
@@ -309,9 +320,9 @@ class Controller:
         if not prepared:
             logger.error("iteration %d: every env-group actor failed; nothing to train on", it)
             return record
-        # Ray Data calls block on tasks (block metadata, materialize, split): off the event loop, so /status answers.
-        ds, summary, shards, checks = await asyncio.to_thread(training_batch, prepared, cfg.algorithm,
-                                                              cfg.trainer.num_workers, cfg.rollout.group_size)
+        ds, summary, shards, checks = await built_within(cfg.trainer.stall_timeout_s, f"iteration {it + 1}'s batch",
+                                                         training_batch, prepared, cfg.algorithm,
+                                                         cfg.trainer.num_workers, cfg.rollout.group_size)
         if ds is None:
             logger.warning("iteration %d: %d rows after filtering; skipping the update", it, len(summary))
             return record

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -36,6 +36,7 @@ class Collective:
 
     def __init__(self, world: int = 1):
         self.world = world
+        self.on_progress: Callable[[], None] | None = None  # told after every reduction (a step forward)
 
     @classmethod
     def from_torch(cls) -> Collective:
@@ -51,6 +52,8 @@ class Collective:
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
         t = torch.tensor(list(values), dtype=dtype, device=device)
         dist.all_reduce(t, op=getattr(dist.ReduceOp, op))
+        if self.on_progress is not None:
+            self.on_progress()
         return t.cpu().tolist()
 
     def sum(self, values: Sequence[float]) -> list[float]:

@@ -67,8 +67,34 @@ def check_folder(uri: str, must_hold: str | None = None) -> None:
 
 
 def local_folder(folder: str) -> str:
-    """A folder handed to this process: a storage URI fetched into this node's cache, or a local path as it is."""
-    return str(fetch_folder(folder)) if is_uri(folder) else folder
+    """A folder handed to this process: a storage URI fetched into this node's cache, or a local path as it is (one
+    that is not on this node fails here: `check_on_this_node`)."""
+    if is_uri(folder):
+        return str(fetch_folder(folder))
+    check_on_this_node(folder)
+    return folder
+
+
+def looks_local(path: str) -> bool:
+    """A path, not a hub id: absolute, or starting with "." or "~"."""
+    return path.startswith(("/", ".", "~"))
+
+
+def check_on_this_node(path: str) -> None:
+    """A local-looking path that this node lacks fails here, naming the path, the node and the settings that would
+    fix it, instead of reaching transformers, which would take it for a hub id."""
+    if looks_local(path) and not Path(path).expanduser().exists():
+        import socket
+
+        import ray
+
+        node = f"{socket.gethostname()} ({ray.util.get_node_ip_address()})"
+        raise FileNotFoundError(
+            f"{path} does not exist on node {node}: a folder on one node's disk is read where it is loaded. A run over "
+            "several nodes needs args.checkpoint.storage (a URI every node reaches, e.g. s3://bucket/runs: the "
+            "starting model and the checkpoints go through it) or output_dir and the model cache on a disk every "
+            "node mounts at the same path (args.checkpoint.shared_disk: true); an agent served on another node "
+            "needs policy.model as a storage URI")
 
 
 def folder_stamp(folder: Path) -> str:

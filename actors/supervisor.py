@@ -10,7 +10,7 @@ from pathlib import Path
 from actors.checkpoint import in_storage, latest_checkpoint, train_state_of
 from actors.config import TrainConfig
 from actors.storage import Storage
-from actors.trainer import TrainerFailure, TrainerGroup
+from actors.trainer import TrainerFailure, TrainerGroup, remove_placement_groups
 
 logger = logging.getLogger("raygent")
 
@@ -27,6 +27,11 @@ class TrainJobSupervisor:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.job: TrainerGroup | None = None
         self.restarts = 0
+        # a controller of this run that died took its Train job along, but not always the job's placement group
+        left = remove_placement_groups(f"{cfg.run_name}/")
+        if left:
+            logger.warning("removed %d placement group(s) an earlier Train job of %s left holding resources", left,
+                           cfg.run_name)
 
     def shared(self, folder: str) -> str:
         """A folder of the run folder as a process on another node reads it: through storage, when the run has it."""

@@ -40,9 +40,18 @@ class TrainMailbox:
         self.arrived = asyncio.Condition()
         self.workers: dict[int, Any] = {}  # rank -> the worker actor's handle (to end a hung job)
         self.failure: str | None = None  # the first traceback a rank reported before its job ended
+        self.doing: dict[int, tuple[float, str]] = {}  # rank -> (when, what it last said it was doing)
 
     def register(self, rank: int, worker: Any) -> None:
         self.workers[rank] = worker
+
+    def progress(self, rank: int, doing: str) -> None:
+        self.doing[rank] = (time.monotonic(), doing)
+
+    def last_progress(self) -> dict[int, tuple[float, str]]:
+        """rank -> (seconds since it last made progress, what it was doing)."""
+        now = time.monotonic()
+        return {rank: (now - t, doing) for rank, (t, doing) in sorted(self.doing.items())}
 
     def worker_handles(self) -> list[Any]:
         return list(self.workers.values())
@@ -269,6 +278,54 @@ def worker_resources(trainer_cfg: Any, placement: Any = None) -> dict[str, float
     return {"CPU": trainer_cfg.cpus_per_worker, **extra}
 
 
+class Progress:
+    """What this rank is doing, told to the mailbox when it changes and at most once a second while it goes on
+    (fire and forget): the controller's stall deadline (`trainer.stall_timeout_s`) reads it."""
+
+    def __init__(self, mailbox: Any, rank: int):
+        self.mailbox, self.rank, self.doing, self.sent = mailbox, rank, "starting", 0.0
+
+    def __call__(self, doing: str | None = None) -> None:
+        now = time.monotonic()
+        if doing is not None and doing != self.doing:
+            self.doing, self.sent = doing, 0.0
+        if now - self.sent >= 1.0:
+            self.mailbox.progress.remote(self.rank, self.doing)
+            self.sent = now
+
+
+# A Train job's placement group is Ray Train's to remove; where the controller that owns the job dies with it, and
+# the cluster runs no dashboard for Ray Train's cleaner to ask, it would hold its resources for good. Rank 0 records
+# it in the GCS under the job's name, and the run's next Train job (or this one's end) removes what is recorded.
+PG_KEY_PREFIX = "raygent-train-pg:"
+
+
+def record_placement_group(job_key: str, pg_id: str | None) -> None:
+    from ray.experimental.internal_kv import _internal_kv_put
+
+    if pg_id:
+        _internal_kv_put(f"{PG_KEY_PREFIX}{job_key}", pg_id, namespace="raygent")
+
+
+def remove_placement_groups(job_key_prefix: str) -> int:
+    """Remove the recorded placement groups of the Train jobs whose keys (`<run name>/<job id>`) start with
+    `job_key_prefix` (their records too): how many were still holding resources."""
+    from ray._raylet import PlacementGroupID
+    from ray.experimental.internal_kv import _internal_kv_del, _internal_kv_get, _internal_kv_list
+    from ray.util.placement_group import PlacementGroup, placement_group_table, remove_placement_group
+
+    removed = 0
+    for key in _internal_kv_list(f"{PG_KEY_PREFIX}{job_key_prefix}", namespace="raygent"):
+        pg_id = _internal_kv_get(key, namespace="raygent")
+        if pg_id:
+            pg = PlacementGroup(PlacementGroupID(bytes.fromhex(pg_id.decode())))
+            if placement_group_table(pg).get("state") not in (None, "REMOVED"):
+                remove_placement_group(pg)
+                removed += 1
+        _internal_kv_del(key, namespace="raygent")
+    return removed
+
+
 def train_loop_per_worker(cfg: dict[str, Any]) -> None:
     """Runs on every Train worker for the whole run: take the next task from the mailbox, run it (the update itself
     is `actors.learner`), hand the result back."""
@@ -286,8 +343,13 @@ def train_loop_per_worker(cfg: dict[str, Any]) -> None:
     torch.set_num_threads(max(1, int(cfg.get("threads", 1))))
     mailbox = ray.get_actor(cfg["mailbox"], namespace=cfg["namespace"])
     ray.get(mailbox.register.remote(rank, ray.get_runtime_context().current_actor))
+    progress = Progress(mailbox, rank)
+    if rank == 0:
+        record_placement_group(cfg["job_key"], ray.get_runtime_context().get_placement_group_id())
+    progress("loading the model")
     model, ref_model, device, strategy, autocast_dtype = setup_models(cfg, world)
     collective = Collective.from_torch()
+    collective.on_progress = progress  # every reduction across the ranks is a step forward
     optim = OptimConfig.model_validate(cfg["optim"])
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=optim.lr,
                                   betas=optim.betas, weight_decay=optim.weight_decay)  # LoRA: the adapter only
@@ -308,7 +370,9 @@ def train_loop_per_worker(cfg: dict[str, Any]) -> None:
         result: dict[str, Any] = {}
         if kind == "rl":
             t0 = time.perf_counter()
+            progress("reading its shard of the iteration's rows")
             rows = _rows(task["shards"][rank])
+            progress("updating")
             read_seconds = time.perf_counter() - t0
             t0 = time.perf_counter()
             # Every row's lag behind the weights trained here, checked where the rows are consumed: rows past
@@ -327,7 +391,9 @@ def train_loop_per_worker(cfg: dict[str, Any]) -> None:
                            staleness_max=int(np.flatnonzero(hist[:-1])[-1]) if hist[:-1].any() else 0)
         elif kind == "sft":
             if task.get("shards") is not None:
+                progress("reading its shard of the demonstrations")
                 sft_data = _rows(task["shards"][rank])
+            progress("training on demonstrations")
             n = len(sft_data["prompt_ids"]) if sft_data else 0
             losses = []
             for _ in range(task["steps"]):
@@ -358,6 +424,7 @@ def train_loop_per_worker(cfg: dict[str, Any]) -> None:
             from torch.distributed.checkpoint.api import CheckpointException
 
             metrics = {}
+            progress("saving its state")
             try:
                 save_train_state(model, optimizer, task["path"])
                 if task.get("stage") and ray.get_runtime_context().get_node_id() != task["node"]:
@@ -370,6 +437,7 @@ def train_loop_per_worker(cfg: dict[str, Any]) -> None:
             raise ValueError(f"unknown trainer task {kind!r}")
         result["metrics"] = metrics  # already global (all-reduced inside the steps)
         if task.get("want_weights"):
+            progress("packing the weights")
             weights = pack_model_weights(model, strategy, cfg["weights_dtype"], cfg["weights_bucket_bytes"], rank,
                                          adapter_only=bool(cfg.get("lora")))
             if weights is not None:
@@ -377,8 +445,10 @@ def train_loop_per_worker(cfg: dict[str, Any]) -> None:
         return result
 
     while True:
+        progress("waiting for a task")
         task = ray.get(mailbox.next_task.remote(rank))
         kind = task["kind"]
+        progress(f"running {kind!r}")
         if kind == "stop":
             ray.get(mailbox.put_result.remote(task["id"], rank, {"stopped": True}))
             break
@@ -401,6 +471,13 @@ class TrainerFailure(RuntimeError):
     checkpoint."""
 
 
+# What the run waits for when it waits on each kind of Train task (failure messages name it).
+TASK_PHASES = {"rl": "an update", "sft": "the warm start", "send_weights": "a weight broadcast",
+               "pack_weights": "packing weights", "save_train_state": "a checkpoint",
+               "reset_optimizer": "the end of the warm start", "set_reference": "the end of the warm start",
+               "stop": "the Train job's stop"}
+
+
 class TrainerGroup:
     """Controller-side handle on the run's single TorchTrainer: start once, then `await run(task)` per step."""
 
@@ -411,8 +488,10 @@ class TrainerGroup:
         self.namespace = ray.get_runtime_context().namespace
         self.job_id = uuid.uuid4().hex[:8]  # one per job: a restarted job gets its own mailbox and Train run
         self.mailbox_name = f"raygent-mailbox-{run_name}-{self.job_id}"
+        self.job_key = f"{run_name}/{self.job_id}"  # run names have no "/"
         self.mailbox = TrainMailbox.options(name=self.mailbox_name, namespace=self.namespace).remote(self.world)
-        self.worker_cfg = {**worker_cfg, "mailbox": self.mailbox_name, "namespace": self.namespace,
+        self.worker_cfg = {**worker_cfg, "mailbox": self.mailbox_name, "job_key": self.job_key,
+                           "namespace": self.namespace,
                            "use_gpu": trainer_cfg.use_gpu, "strategy": trainer_cfg.strategy}
         self.run_dir = run_dir
         self.error: BaseException | None = None
@@ -452,11 +531,13 @@ class TrainerGroup:
 
     async def run(self, task: dict[str, Any], poll_s: float = 5.0, timeout_s: float | None = None) -> list[Any]:
         """Send `task` to every rank and wait for all their results (rank order). Raises `TrainerFailure` when a
-        rank fails, the job ends, or the task outlives its deadline (`trainer.task_timeout_s`); the job is then
-        ended, so nothing of it is left waiting."""
+        rank fails, the job ends, the task outlives its deadline (`trainer.task_timeout_s`), or no rank makes
+        progress for `trainer.stall_timeout_s` (a rank stopped, or blocked waiting for something that never
+        comes); the job is then ended, so nothing of it is left waiting."""
         task = {**task, "id": self._next_id}
         self._next_id += 1
-        deadline = time.monotonic() + (timeout_s or self.trainer_cfg.task_timeout_s)
+        submitted = time.monotonic()
+        deadline = submitted + (timeout_s or self.trainer_cfg.task_timeout_s)
         self.mailbox.submit.remote(task)
         while True:
             try:
@@ -473,11 +554,33 @@ class TrainerGroup:
                 raise TrainerFailure(f"trainer task {task['kind']!r} failed: {failure or repr(self.error)}")
             if time.monotonic() > deadline:
                 await self.kill()
-                raise TrainerFailure(f"trainer task {task['kind']!r} did not finish within "
-                                     f"{timeout_s or self.trainer_cfg.task_timeout_s:.0f}s")
+                raise TrainerFailure(f"trainer task {task['kind']!r} ({TASK_PHASES.get(task['kind'], '')}) did not "
+                                     f"finish within {timeout_s or self.trainer_cfg.task_timeout_s:.0f}s")
+            stalled = await self._stalled(submitted)
+            if stalled is not None:
+                await self.kill()
+                raise TrainerFailure(f"the Train job made no progress for {self.trainer_cfg.stall_timeout_s:.0f}s "
+                                     f"during {TASK_PHASES.get(task['kind'], task['kind'])} (task "
+                                     f"{task['kind']!r}): {stalled}")
+
+    async def _stalled(self, since: float) -> str | None:
+        """What each rank was last doing, when no rank has made progress for trainer.stall_timeout_s (counted from
+        `since` at the latest: a task's submission); None while the job moves."""
+        limit = self.trainer_cfg.stall_timeout_s
+        if time.monotonic() - since < limit:
+            return None
+        ranks = await asyncio.wait_for(self.mailbox.last_progress.remote(), 30)
+        if ranks and min(age for age, _ in ranks.values()) < limit:
+            return None
+        if not ranks:
+            return ("no rank started: its workers wait for resources (a placement group of "
+                    f"{self.world} x {worker_resources(self.trainer_cfg, self.placement)}; free: "
+                    f"{ray.available_resources()})")
+        return "; ".join(f"rank {r} was {doing} {age:.0f}s ago" for r, (age, doing) in ranks.items())
 
     async def kill(self) -> None:
-        """End the job now: its workers (a hung collective never returns), then wait for `fit` to notice."""
+        """End the job now: its workers (a hung collective never returns), then wait for `fit` to notice, and free
+        its placement group."""
         try:
             workers = await asyncio.wait_for(self.mailbox.worker_handles.remote(), 10)
         except Exception:
@@ -493,6 +596,7 @@ class TrainerGroup:
             ray.kill(self.mailbox)
         except Exception:
             pass
+        await asyncio.to_thread(remove_placement_groups, self.job_key)
 
     async def stop(self) -> None:
         if self._thread is not None and self._thread.is_alive():
@@ -501,3 +605,4 @@ class TrainerGroup:
             except TrainerFailure:
                 return
             await asyncio.to_thread(self._thread.join, 60)
+        await asyncio.to_thread(remove_placement_groups, self.job_key)

@@ -13,7 +13,7 @@ from typing import Any
 
 import ray
 
-from actors.batch import split_for_workers
+from actors.batch import built_within, split_for_workers
 from actors.checkpoint import save_reference
 from actors.config import TrainConfig
 from actors.demonstrations import demo_players
@@ -35,8 +35,9 @@ async def supervised_warm_start(cfg: TrainConfig, pool: EnvGroupPool, trainer: C
 
     ws = cfg.warm_start
     tables, n_rows = await pool.demonstrations(demo_players(cfg.seed, ws.demo_seeds, len(pool.actors)))
-    ds = await asyncio.to_thread(lambda: ray.data.from_arrow_refs(tables).materialize())
-    shards = await asyncio.to_thread(split_for_workers, ds, cfg.trainer.num_workers)
+    shards = await built_within(cfg.trainer.stall_timeout_s, "the warm start's demonstration dataset",
+                                lambda: split_for_workers(ray.data.from_arrow_refs(tables).materialize(),
+                                                          cfg.trainer.num_workers))
     logger.info("warm start: %d demonstration steps from %d episodes", n_rows, ws.demo_seeds)
     bar = tqdm(total=ws.steps, desc="warm start (supervised)")
     done, first = 0, True

@@ -13,7 +13,7 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from actors.storage import fetch_folder, is_uri
+from actors.storage import check_on_this_node, fetch_folder, is_uri
 
 DEFAULT_NAME = "default"
 
@@ -159,5 +159,6 @@ def resolve_model(name: str, cache_dir: Path | None = None) -> str:
         return str(build_default_model(PRESETS[preset], cache_dir))
     if is_uri(name):  # a folder in storage: this node's copy
         return str(fetch_folder(name))
+    check_on_this_node(name)  # a path this node lacks is not a hub id
     local = Path(name).expanduser()
     return str(local.resolve()) if local.is_dir() else name

@@ -181,6 +181,24 @@ def check_placement(cfg: TrainConfig) -> None:
                          f"{workers} nodes with {worker}; this Ray cluster has {fitting}")
 
 
+def check_files_reach_every_node(cfg: TrainConfig) -> None:
+    """A run's files (the starting model, its run folder and checkpoints) live on the disk of the node that wrote
+    them; on a cluster of several nodes the run's actors and replicas land anywhere, so they must reach every node:
+    through `checkpoint.storage`, or a disk every node mounts (`checkpoint.shared_disk`). Otherwise the run fails
+    here, before any actor starts, naming what to set (nodes that join later are not known here: a path missing on
+    one of them fails where it is read, naming the node)."""
+    if cfg.checkpoint.storage is not None or cfg.checkpoint.shared_disk or not ray.is_initialized():
+        return
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    if len(nodes) > 1:
+        raise ValueError(
+            f"invalid training config:\n  args.checkpoint.storage: this Ray cluster has {len(nodes)} nodes and the "
+            "run has no storage, so what it writes on one node's disk (the starting model, checkpoints) cannot reach "
+            "the others. Set checkpoint.storage to a URI every node reaches (s3://bucket/runs, gs://bucket/runs, or "
+            "a path on a disk every node mounts), or checkpoint.shared_disk: true if output_dir and the model cache "
+            "(RAYGENT_CACHE, else ~/.cache/raygent) are on such a disk (docs/scaling-out.md)")
+
+
 def shared_start(cfg: TrainConfig, model_path: str, resume_from: str | None, storage: Storage) -> str:
     """The model a run with `checkpoint.storage` starts from, as every node reads it: its URI in storage. A
     checkpoint is there already (copied when written; copied now if that failed), a local model folder is copied
@@ -205,6 +223,7 @@ def build_train_app(args: dict[str, Any]) -> serve.Application:
     cfg = load_train_config(args)
     check_gpus(cfg)
     check_placement(cfg)
+    check_files_reach_every_node(cfg)
     storage = run_storage(cfg)
     resume_from = None
     if cfg.checkpoint.resume == "auto":

@@ -1,10 +1,12 @@
 """Two Ray nodes that share no disk, on one machine: a head node, and a worker node whose `ray start` runs in its own
 mount namespace with private tmpfs over its Ray folder, the run's output folder and every cache the project
 writes, so a file either node writes is invisible to the other. Storage is reached only through its URI (a local
-S3-compatible server). The Train workers and one Policy replica run on the worker node (custom resources,
-`max_replicas_per_node: 1`), the controller on the head. A run trains and checkpoints to storage; the head's run
-folder is deleted and the run resumes from storage; the worker node is killed mid-run and the run goes on once a
-new node joins; the agent endpoint, its replica on the worker node, serves the trained checkpoint from storage."""
+S3-compatible server). On one cluster, in order: a run without storage is refused before any actor starts; with
+storage and no placement, the run (its warm start first) trains and checkpoints to storage; the head's run folder
+is deleted and the run resumes from storage with its Train workers and one Policy replica on the worker node
+(custom resources, `max_replicas_per_node: 1`) and the controller on the head; the worker node is killed mid-run
+and the run goes on once a new node joins; the agent endpoint, its replica on the worker node, serves the trained
+checkpoint from storage."""
 
 from __future__ import annotations
 
@@ -117,20 +119,31 @@ def two_nodes(tmp_path):
             node.kill()
 
 
-def _train_config(tmp_path: Path, name: str, port: int, storage: str, iterations: int) -> Path:
+def _train_config(tmp_path: Path, name: str, port: int, storage: str | None, iterations: int,
+                  placed: bool = True) -> Path:
+    """test_tiny (its warm start on) with `storage`; `placed`: the controller and the ingress on the head, the Train
+    workers on the worker node, one Policy replica per node; else wherever Ray puts them."""
     spec = yaml.safe_load((REPO / "serve_configs" / "test_tiny.yaml").read_text())
     spec["http_options"]["port"] = port
     app = spec["applications"][0]
-    app["args"].update(
-        output_dir=str(tmp_path / "runs"), run_name="two-nodes", iterations=iterations,
-        checkpoint={"every": 1, "keep": 2, "resume": "auto", "storage": storage},
-        placement={"controller": {"head_node": 1}, "trainer": {"worker_node": 1}})
-    app["deployments"] = [
-        {"name": "Policy", "num_replicas": 2, "max_replicas_per_node": 1, "ray_actor_options": {"num_cpus": 0.25}},
-        {"name": "TrainingRun", "ray_actor_options": {"num_cpus": 0, "resources": {"head_node": 1}}}]
+    app["args"].update(output_dir=str(tmp_path / "runs"), run_name="two-nodes", iterations=iterations,
+                       checkpoint={"every": 1, "keep": 2, "resume": "auto", "storage": storage})
+    if placed:
+        app["args"]["placement"] = {"controller": {"head_node": 1}, "trainer": {"worker_node": 1}}
+        app["deployments"] = [
+            {"name": "Policy", "num_replicas": 2, "max_replicas_per_node": 1, "ray_actor_options": {"num_cpus": 0.25}},
+            {"name": "TrainingRun", "ray_actor_options": {"num_cpus": 0, "resources": {"head_node": 1}}}]
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(spec))
     return path
+
+
+def _processes(title: str, since: float) -> list[int]:
+    """Processes (of either node: they share this machine) whose title starts with `title`, started after `since`."""
+    import psutil
+
+    return [p.pid for p in psutil.process_iter(["cmdline", "create_time"])
+            if " ".join(p.info["cmdline"] or []).startswith(title) and p.info["create_time"] >= since]
 
 
 def _run_to_the_end(config: Path, log: Path, env: dict[str, str], url: str, timeout: float) -> dict:
@@ -153,13 +166,31 @@ def test_a_run_on_two_nodes_without_a_shared_disk_trains_resumes_from_storage_an
     storage = s3_bucket.format(key="two-nodes")
     stored = Storage(s3_bucket.format(key="two-nodes/two-nodes"))
 
-    status = _run_to_the_end(_train_config(tmp_path, "train2", port, storage, 2), tmp_path / "train2.log",
-                             two_nodes["env"], url, 900)
+    # Without storage (and no shared disk declared) the run cannot keep its files where every node reads them: it
+    # is refused while Serve builds the app, before any actor starts, naming the setting.
+    started = time.time()
+    driver = _Driver(_train_config(tmp_path, "nostorage", port, None, 2, placed=False), tmp_path / "nostorage.log",
+                     two_nodes["env"])
+    try:
+        wait_for(lambda: (tmp_path / "nostorage.log").read_text().count("this Ray cluster has 2 nodes"), 120,
+                 "the refusal", driver)
+    finally:
+        driver.stop()
+    log = (tmp_path / "nostorage.log").read_text()
+    assert "args.checkpoint.storage: this Ray cluster has 2 nodes and the run has no storage" in log, log[-3000:]
+    assert "checkpoint.shared_disk" in log
+    assert not [p for p in ("ray::Controller", "ray::ServeReplica:train:Policy", "ray::RayTrainWorker")
+                if _processes(p, started)], "an actor of the refused run started"
+    assert not (tmp_path / "runs" / "two-nodes" / "checkpoints").exists()
+
+    # With storage, on the same cluster, no placement (Ray puts the actors and replicas where it likes): the warm
+    # start, two iterations, each checkpoint in storage.
+    status = _run_to_the_end(_train_config(tmp_path, "train2", port, storage, 2, placed=False),
+                             tmp_path / "train2.log", two_nodes["env"], url, 600)
     assert status["phase"] == "done" and status["iteration"] == 2, status
     assert stored.folders("checkpoints") == ["iter_000001", "iter_000002"]
-    # the shards of the ranks on the worker node came through storage into the head's checkpoint
     assert stored.exists("checkpoints/iter_000002/train_state/.metadata")
-    assert stored.exists("checkpoints/iter_000002/train_state/__1_0.distcp")
+    assert stored.exists("reference/model.safetensors")  # the warm start's policy, the KL reference
     assert not stored.folders("staging")
 
     # The head's run folder is gone too: only storage has the run. It resumes from there, and mid-run the worker
@@ -183,6 +214,9 @@ def test_a_run_on_two_nodes_without_a_shared_disk_trains_resumes_from_storage_an
     assert status["phase"] == "done" and status["iteration"] == 4, status
     log = (tmp_path / "train4.log").read_text()
     assert "fetched iter_000002" in log, log[-3000:]
+    # the shards of the ranks on the worker node came through storage into the head's checkpoint
+    assert stored.exists("checkpoints/iter_000004/train_state/__1_0.distcp")
+    assert not stored.folders("staging")
     history = [json.loads(line) for line in stored.read_text("metrics.jsonl").splitlines() if line.strip()]
     trained = [r["iteration"] for r in history if r.get("phase") == "train"]
     assert trained == [1, 2, 3, 4], trained  # a redone iteration replaces its first record
