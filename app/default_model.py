@@ -13,6 +13,7 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from actors.builtin_models import PACKAGED_MODELS, build_packaged_model
 from actors.storage import check_on_this_node, fetch_folder, is_uri
 
 DEFAULT_NAME = "default"
@@ -148,7 +149,8 @@ def build_default_model(spec: DefaultModelSpec = DefaultModelSpec(), cache_dir: 
 
 
 def resolve_model(name: str, cache_dir: Path | None = None) -> str:
-    """"default" or "default:PRESET" -> the built folder; a local folder (a checkpoint's model/, a `raygent sft`
+    """"default" or "default:PRESET" -> the built folder; a packaged pretrained model ("smollm2-135m",
+    actors/builtin_models.py) -> its HF folder, built once; a local folder (a checkpoint's model/, a `raygent sft`
     output) -> its absolute path, so Ray workers with another working directory find it; a folder in storage (a
     URI) -> this node's cached copy of it (actors/storage.py); a hub id as is."""
     if name == DEFAULT_NAME or name.startswith(DEFAULT_NAME + ":"):
@@ -157,6 +159,8 @@ def resolve_model(name: str, cache_dir: Path | None = None) -> str:
             allowed = sorted(DEFAULT_NAME + (":" + p if p else "") for p in PRESETS)
             raise ValueError(f"unknown default-model preset {preset!r}; allowed: {allowed}")
         return str(build_default_model(PRESETS[preset], cache_dir))
+    if name in PACKAGED_MODELS:  # a pretrained model shipped in a Python package: its HF folder, built once
+        return str(build_packaged_model(name, cache_dir or cache_root() / "models"))
     if is_uri(name):  # a folder in storage: this node's copy
         return str(fetch_folder(name))
     check_on_this_node(name)  # a path this node lacks is not a hub id

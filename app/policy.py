@@ -32,6 +32,9 @@ from app.engines import AsyncVLLMEngine, Completion, HFEngine, completion_reply,
 from app.routing import ROUTER
 
 logger = logging.getLogger("ray.serve")
+# How long a (re)starting replica may spend taking the run's latest weights before it serves without them (the
+# controller's sync check before the next rollout then catches it up).
+SYNC_DEADLINE_S = 300.0
 
 
 class WeightGate:
@@ -115,18 +118,32 @@ class Policy:
         trained weights) yet, and the starting weights are the latest."""
         import ray
 
+        deadline = time.monotonic() + SYNC_DEADLINE_S
         try:
             controller = ray.get_actor(self.config.sync_from, namespace="raygent")
-            # on the collective path the controller may first wait for the update under way to go out
-            latest = await asyncio.wait_for(controller.latest_weights_for_replica.remote(), 300)
-            if latest is not None and latest["version"] > self.version:
-                await self._load(latest["weights"])
-                self.version = int(latest["version"])
-                logger.warning("policy replica synced to the run's weight version %d", self.version)
         except ValueError:  # no such actor: the run has not started yet
-            pass
-        except Exception as e:  # the controller's next sync check catches up; never fail the replica for it
-            logger.warning("policy replica could not sync from %s (%s)", self.config.sync_from, e)
+            return
+        while True:
+            try:
+                # on the collective path the controller may first wait for the update under way to go out
+                latest = await asyncio.wait_for(controller.latest_weights_for_replica.remote(),
+                                                max(1.0, deadline - time.monotonic()))
+                if latest is not None and latest["version"] > self.version:
+                    await self._load(latest["weights"])
+                    self.version = int(latest["version"])
+                    logger.warning("policy replica synced to the run's weight version %d", self.version)
+                return
+            except ray.exceptions.ObjectLostError as e:
+                # A copy the Train job packed, lost with a Train worker that died since: the controller restarts
+                # the job and puts a checkpoint's weights (held by the controller) in their place; ask again.
+                if time.monotonic() > deadline:
+                    logger.warning("policy replica could not sync from %s (%s)", self.config.sync_from, e)
+                    return
+                logger.warning("policy replica: the run's weights were lost with their Train worker; asking again")
+                await asyncio.sleep(2)
+            except Exception as e:  # the controller's next sync check catches up; never fail the replica for it
+                logger.warning("policy replica could not sync from %s (%s)", self.config.sync_from, e)
+                return
 
     def check_health(self) -> None:
         """Serve's health check: a replica whose engine failed is replaced (and the new one syncs from the run)."""

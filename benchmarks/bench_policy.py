@@ -14,8 +14,9 @@
    and the replica's start time.
 
 Usage (from the repo root):  python benchmarks/bench_policy.py [--quick] [--parts serve,broadcast,concurrency]
-Writes benchmarks/results/bench_policy.json (the parts run replace theirs, the others are kept) and prints a
-summary. Starts (and stops) its own local Ray cluster.
+    [--model smollm2-135m --engines vllm,vllm-async,hf --levels 1,16,64]
+Writes benchmarks/results/bench_policy.json (with --model: bench_policy_<model>.json; the parts run replace theirs,
+the others are kept) and prints a summary. Starts (and stops) its own local Ray cluster.
 """
 
 from __future__ import annotations
@@ -261,6 +262,9 @@ def main() -> None:
     parser.add_argument("--parts", default="serve,broadcast,concurrency",
                         help="comma-separated: serve (overhead and engines), broadcast, concurrency")
     parser.add_argument("--seconds", type=float, default=20.0, help="concurrency: seconds per level")
+    parser.add_argument("--model", default="default", help='any policy.model, e.g. "smollm2-135m" (float32)')
+    parser.add_argument("--engines", default="vllm,vllm-async", help="concurrency: the engines compared")
+    parser.add_argument("--levels", default="1,4,16,64", help="concurrency: callers")
     args = parser.parse_args()
     parts = set(args.parts.split(","))
     if parts - {"serve", "broadcast", "concurrency"}:
@@ -273,13 +277,14 @@ def main() -> None:
 
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
-        model_path = resolve_model("default")
+        model_path = resolve_model(args.model)
+        results_path = RESULTS if args.model == "default" else RESULTS.with_name(f"bench_policy_{args.model}.json")
         engines_to_run = (["vllm"] if vllm_available() else []) + ["hf"]
-        results: dict[str, Any] = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+        results: dict[str, Any] = json.loads(results_path.read_text()) if results_path.exists() else {}
         results.update({
             "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
                         "ray": ray.__version__},
-            "model": {"name": "default", "spec": PRESETS[""].__dict__},
+            "model": {"name": args.model, **({"spec": PRESETS[""].__dict__} if args.model == "default" else {})},
         })
         if "serve" in parts:
             results["serve_overhead"] = serve_overhead(ray, model_path, engines_to_run, n_prompts, repeats, callers=4)
@@ -293,17 +298,17 @@ def main() -> None:
             results["broadcast"] = broadcast(ray, ["10M"] if args.quick else ["10M", "100M"], engines_to_run,
                                              repeats)
         if "concurrency" in parts and vllm_available():
-            results["concurrency"] = concurrency(ray, model_path, ["vllm", "vllm-async"],
-                                                 [1, 4] if args.quick else [1, 4, 16, 64],
+            results["concurrency"] = concurrency(ray, model_path, args.engines.split(","),
+                                                 [1, 4] if args.quick else [int(c) for c in args.levels.split(",")],
                                                  5.0 if args.quick else args.seconds)
     finally:
         from ray import serve
 
         serve.shutdown()
         ray.shutdown()
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"wrote {RESULTS.relative_to(REPO_ROOT)}")
+    results_path.parent.mkdir(parents=True, exist_ok=True)
+    results_path.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"wrote {results_path.relative_to(REPO_ROOT)}")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """End to end, as a user runs it: `serve run serve_configs/test_tiny.yaml` as a subprocess (on the session's Ray
 cluster), polled over HTTP until done. One run's whole life in stages (kills, checkpoints here and in storage,
 serving, resumes); then the runs that need a config of their own, each as short as its assertion allows: async
-rollout under its staleness bound, replicas that fit no node, a full checkpoint disk, LoRA. These run last
-(conftest): `serve run` shuts Serve down when it exits."""
+rollout under its staleness bound, replicas that fit no node, a full checkpoint disk, LoRA, and the built-in
+pretrained model's lifecycle. These run last (conftest): `serve run` shuts Serve down when it exits."""
 
 from __future__ import annotations
 
@@ -34,6 +34,8 @@ def write_config(tmp_path: Path, port: int, iterations: int, name: str = "config
 # and the controller are killed, a new replica synced from a copy the Train job packs, checkpoints written from
 # one. The other runs of this module keep the default object store.
 GLOO = {"weight_sync": {"backend": "gloo", "timeout_s": 20}}
+# The real model's engine vs trainer log-prob gap (float32; measured in test_real_model.py's engines test).
+REAL_MODEL_LOGPROB_GAP = 1e-3
 
 
 def pids_of(title: str) -> list[int]:
@@ -83,7 +85,7 @@ def kept_checkpoints(run_dir: Path) -> list[str]:
 
 
 @pytest.mark.timeout(900)
-def test_a_run_lives_through_kills_checkpoints_serving_and_three_resumes(ray_cluster, serve_url, tmp_path,
+def test_a_run_lives_through_kills_checkpoints_serving_and_resumes(ray_cluster, serve_url, tmp_path,
                                                                          s3_bucket):
     """One run's whole life, as a user drives it with `serve run`, on the gloo weight group (the CPU twin of nccl:
     every fault below also hits the collective path) with every checkpoint mirrored to S3-compatible storage and only
@@ -95,12 +97,9 @@ def test_a_run_lives_through_kills_checkpoints_serving_and_three_resumes(ray_clu
     2. resume to 7: an env-group actor killed once the checkpoint the run resumed from is older than the newest (a
        restart must still find the model folder it loads: pinned), then the controller killed (the ingress's
        health check starts it again and it resumes from the latest checkpoint); the KL goes on from the same
-       reference;
-    3. the run folder deleted (a new node or pod): the same config resumes from storage at the next iteration, with
-       the reference and the metrics history it had.
+       reference.
+    A resume from storage into an empty run folder (a new node or pod) is a stage of test_two_nodes.py.
     """
-    import shutil
-
     from ray import serve
 
     from actors.checkpoint import STORAGE_COMPLETE
@@ -257,28 +256,7 @@ def test_a_run_lives_through_kills_checkpoints_serving_and_three_resumes(ray_clu
     kept = sorted({"iter_000004", resumed[1], "iter_000007"})
     assert kept_checkpoints(run_dir) == kept
     assert stored.folders("checkpoints") == kept
-
-    # ---- 3. a new node: the run folder gone, the run resumes from storage ------------------------------------
-    shutil.rmtree(run_dir)
-    run = ServeRun(config(8, "stage3.yaml"), tmp_path / "stage3.log", address)
-    try:
-        status = wait_for(lambda: (s := get_status(url))["done"] and s, 600, "the run resumed from storage", run)
-    finally:
-        run.stop()
-    serve.delete("train")
-    assert status["phase"] == "done" and status["iteration"] == 8, status
-    log = run.log.read_text()
-    assert "fetched iter_000007" in log and "resuming" in log, log[-3000:]
-    history = read_history(run_dir)
-    assert [r["iteration"] for r in trained_records(history)] == list(range(1, 9))
-    assert all(r["faults/storage_failures"] == 0 for r in trained_records(history))
-    state = json.loads((run_dir / "checkpoints" / "iter_000008" / "state.json").read_text())
-    assert state["reference_model"] == "reference" and (run_dir / "reference" / "model.safetensors").exists()
-    # the resumed-from checkpoint stays (pinned) beside the newest; storage drops what the run folder no longer has
-    assert kept_checkpoints(run_dir) == ["iter_000007", "iter_000008"]
-    assert stored.folders("checkpoints") == ["iter_000007", "iter_000008"]
-    for f in (STORAGE_COMPLETE, "state.json", "model/model.safetensors", "train_state/.metadata"):
-        assert stored.exists(f"checkpoints/iter_000008/{f}"), f
+    assert all(r["faults/storage_failures"] == 0 for r in train)
 
 
 def test_async_rollout_bounds_staleness_survives_kills_and_stops_with_a_checkpoint(ray_cluster, serve_url, tmp_path):
@@ -530,3 +508,86 @@ def test_unwritable_storage_fails_before_any_actor_starts(s3_bucket):
     message = str(e.value)
     assert "args.checkpoint.storage: s3://no-such-bucket/" in message and "not writable" in message, message
     assert "test:test" not in message
+
+
+@pytest.mark.timeout(1200)
+def test_the_real_model_trains_syncs_checkpoints_serves_and_evaluates(ray_cluster, serve_url, tmp_path):
+    """SmolLM2-135M-Instruct (the built-in `smollm2-135m`) through every path of a run, its recipe cut to CPU size:
+    a warm start and two GiGPO iterations, the Train job FSDP2 on 2 ranks, weights over a gloo group to 2 replicas,
+    a replica and a Train worker killed mid-run; the trainer's log-probs of the sampled replies are the engines';
+    the checkpoint is served by the agent endpoint with its path alone (the official openai client included), and
+    `raygent eval` plays the run's held-out seeds with their sampling seeds as the run's own validation did."""
+    import subprocess
+    import sys
+
+    from openai import OpenAI
+    from ray import serve
+
+    from app.agent import build_agent_app
+
+    address = ray_cluster.get_runtime_context().gcs_address
+    port = int(serve_url.rsplit(":", 1)[1])
+    serve.delete("train")
+    config = training_config(REPO / "serve_configs" / "smollm2_numberline_cpu.yaml", tmp_path / "config.yaml", port,
+                             tmp_path / "runs", iterations=2,
+                             env={"name": "numberline", "kwargs": {"max_position": 8, "max_steps": 3}},
+                             rollout={"n_groups": 2, "group_size": 2, "num_env_actors": 2, "max_tokens": 12},
+                             warm_start={"enabled": True, "demo_seeds": 8, "steps": 4, "batch_size": 8,
+                                         "eval_every": 4, "lr": 2.0e-5, "target_success": 1.0},
+                             validation={"every": 1, "n_envs": 4, "temperature": 1.0, "baseline_envs": 0},
+                             checkpoint={"every": 1, "keep": 2, "resume": "never"},
+                             weight_sync={"backend": "gloo", "timeout_s": 60})
+    spec = yaml.safe_load(config.read_text())
+    (policy,) = [d for d in spec["applications"][0]["deployments"] if d["name"] == "Policy"]
+    policy["num_replicas"] = 2  # one is killed
+    config.write_text(yaml.safe_dump(spec))
+    run = ServeRun(config, tmp_path / "run.log", address)
+    try:
+        wait_for(lambda: get_status(serve_url)["phase"] == "rollout" or get_status(serve_url)["done"], 900,
+                 "the first rollout", run, interval=0.5)
+        kill_one("ray::ServeReplica:train:Policy")
+        wait_for(lambda: get_status(serve_url)["iteration"] >= 1 or get_status(serve_url)["done"], 900,
+                 "iteration 1", run)
+        kill_one("ray::RayTrainWorker")
+        status = wait_for(lambda: (s := get_status(serve_url))["done"] and s, 900, "the run to finish", run)
+        # every replica, the one that replaced the killed replica too, holds the run's last weights
+        versions = {i["version"] for i in serve.get_deployment_handle("Policy", app_name="train")
+                    .broadcast("info").results()}
+    finally:
+        run.stop()
+        serve.delete("train")
+    assert status["phase"] == "done" and status["iteration"] == 2, status
+    assert versions == {status["weight_version"]}, (versions, status)
+    history = read_history(tmp_path / "runs" / "smollm2-numberline")
+    train = trained_records(history)
+    assert [r["iteration"] for r in train] == [1, 2]
+    assert [r for r in history if r.get("phase") == "fault"], "the Train job was not restarted"
+    # the replicas hold the trainer's weights after every update (over the gloo group), in float32
+    assert all(r["train/rollout_trainer_logprob_gap"] < REAL_MODEL_LOGPROB_GAP for r in train), \
+        [r["train/rollout_trainer_logprob_gap"] for r in train]
+    checkpoint = Path(status["last_checkpoint"]) / "model"
+    card = json.loads((checkpoint / "raygent_agent.json").read_text())
+    assert card["env"]["name"] == "numberline" and card["source"]["iteration"] == 2
+
+    # Served with the path alone; the official openai client gets chat completions from it.
+    serve.run(build_agent_app({"policy": {"model": str(checkpoint)}}), name="real-agent", route_prefix="/real")
+    try:
+        client = OpenAI(base_url=f"{serve_url}/real/v1", api_key="unused", max_retries=0, timeout=300)
+        chat = client.chat.completions.create(model="model", max_tokens=12, messages=[
+            {"role": "user", "content": "Number line: Target: 3, Current: 1. Reply <action>+</action> or "
+                                        "<action>-</action>."}])
+        assert chat.choices[0].message.content and chat.usage.completion_tokens > 0
+        episode = httpx.post(f"{serve_url}/real/v1/episodes", json={"seed": 2, "split": "val"}, timeout=300).json()
+        assert episode["env"] == "numberline" and episode["steps"] >= 1, episode
+    finally:
+        serve.delete("real-agent")
+
+    # `raygent eval`: the run's held-out seeds with the validation's sampling seeds play the validation's episodes.
+    report = tmp_path / "eval.json"
+    raygent = str(Path(sys.executable).with_name("raygent"))
+    done = subprocess.run([raygent, "eval", "--checkpoint", str(checkpoint), "--seeds", "4",
+                           "--out", str(report)], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    (split,) = json.loads(report.read_text())["splits"].values()
+    assert split["summary"]["success_rate"] == pytest.approx(train[-1]["val/success_rate"])
+    assert split["summary"]["return"] == pytest.approx(train[-1]["val/return"], abs=1e-6)

@@ -223,6 +223,14 @@ def test_a_run_on_two_nodes_without_a_shared_disk_trains_resumes_from_storage_an
     faults = [r for r in history if r.get("phase") == "fault"]
     assert faults and faults[-1]["faults/trainer_restarts"] >= 1, faults
     assert all(r["faults/storage_failures"] == 0 for r in history if r.get("phase") == "train")
+    # the empty run folder got the checkpoint, the KL reference and the history from storage; rotation (keep 2,
+    # the checkpoint resumed from pinned) applies there as in the run folder
+    runs = tmp_path / "runs" / "two-nodes"
+    state = json.loads((runs / "checkpoints" / "iter_000004" / "state.json").read_text())
+    assert state["reference_model"] == "reference" and (runs / "reference" / "model.safetensors").exists()
+    kept = sorted(p.name for p in (runs / "checkpoints").iterdir() if p.name.startswith("iter_"))
+    assert kept == ["iter_000002", "iter_000003", "iter_000004"], kept
+    assert stored.folders("checkpoints") == kept
 
     # The agent endpoint serves the checkpoint from storage, its replica on the worker node.
     agent = yaml.safe_load((REPO / "serve_configs" / "agent.yaml").read_text())
