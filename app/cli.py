@@ -141,7 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("config", nargs="?", default="serve_configs/train.yaml")
     tr.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="change one field of the training app's args (a dotted key, the value as YAML), e.g. "
-                         "--set checkpoint.storage=s3://bucket/runs --set 'placement.trainer={gpu_node: 1}'; the "
+                         "--set checkpoint.storage=s3://bucket/runs --set 'placement.trainer={gpu_node: 1}', or "
+                         "of one of its deployments: --set deployments.Policy.ray_actor_options.num_gpus=0; the "
                          "config that runs is written to the run folder")
     tr.set_defaults(func=_cmd_train)
     play = sub.add_parser("play", help="play an environment in the terminal, shown the agent's prompt")

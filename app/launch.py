@@ -77,13 +77,33 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
     return overrides
 
 
-def _config_with_overrides(config: Path, spec: dict[str, Any], overrides: dict[str, Any], run_dir: Path) -> Path:
-    """The Serve config with the training app's args overridden, written beside the run's logs (what `serve run`
-    is given, and a record of what ran)."""
+DEPLOYMENTS = "deployments."
+
+
+def apply_overrides(spec: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """The Serve config `spec` with `--set` overrides ({dotted key: value}) applied in place: a key
+    `deployments.NAME.FIELD...` to the training app's deployment NAME (e.g. `deployments.Policy.num_replicas=1`,
+    `deployments.Policy.ray_actor_options.num_gpus=0`: what a GPU recipe asks of Serve), any other to its args."""
     (app,) = [a for a in spec["applications"] if a.get("import_path") == TRAIN_APP]
     args = app.setdefault("args", {})
+    deployments = {d["name"]: d for d in app.setdefault("deployments", [])}
     for key, value in overrides.items():
-        set_dotted(args, key, value)
+        if not key.startswith(DEPLOYMENTS):
+            set_dotted(args, key, value)
+            continue
+        name, _, field = key[len(DEPLOYMENTS):].partition(".")
+        if name not in deployments:
+            raise ValueError(f"--set {key}: the training app has no deployment {name!r}; its deployments: "
+                             f"{', '.join(deployments) or 'none listed'}")
+        if not field:
+            raise ValueError(f"--set {key}: name a field of deployment {name!r}, e.g. {key}.num_replicas=1")
+        set_dotted(deployments[name], field, value)
+    return spec
+
+
+def _write_config(config: Path, spec: dict[str, Any], overrides: dict[str, Any], run_dir: Path) -> Path:
+    """The Serve config with the overrides applied, written beside the run's logs (what `serve run` is given, and a
+    record of what ran)."""
     path = run_dir / f"serve_config.{config.stem}.yaml"
     path.write_text(f"# {config} with {' '.join(f'--set {k}={v}' for k, v in overrides.items())}\n"
                     + yaml.safe_dump(spec, sort_keys=False))
@@ -94,16 +114,22 @@ def train(config: str | Path, out=print, overrides: dict[str, Any] | None = None
     """Run the training Serve config to its end, its app's args changed by `overrides` ({dotted key: value}, as
     `--set` gives them); the exit code of `raygent train`."""
     config = Path(config)
+    spec = yaml.safe_load(config.read_text()) or {}
+    if overrides and "applications" not in spec:
+        out(f"raygent train: --set needs a Serve config (with applications:), and {config} is a bare args file")
+        return 2
     try:
         args = read_config_file(config)
         for key, value in (overrides or {}).items():
-            set_dotted(args, key, value)
+            if not key.startswith(DEPLOYMENTS):
+                set_dotted(args, key, value)
         cfg = load_train_config(args)
         run_storage(cfg)
+        if overrides:
+            apply_overrides(spec, overrides)
     except ValueError as e:
         out(f"raygent train: {e}")
         return 2
-    spec = yaml.safe_load(config.read_text()) or {}
     http = spec.get("http_options") or {}
     host, port = http.get("host", "127.0.0.1"), int(http.get("port", 8000))
     if _port_in_use(host, port):
@@ -112,10 +138,7 @@ def train(config: str | Path, out=print, overrides: dict[str, Any] | None = None
         return 2
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
     if overrides:
-        if "applications" not in spec:
-            out(f"raygent train: --set needs a Serve config (with applications:), and {config} is a bare args file")
-            return 2
-        config = _config_with_overrides(config, spec, overrides, cfg.run_dir)
+        config = _write_config(config, spec, overrides, cfg.run_dir)
     log_path = cfg.run_dir / "serve.log"
     url = f"http://{host}:{port}"
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": os.environ.get("RAY_USAGE_STATS_ENABLED", "0")}

@@ -75,11 +75,12 @@ def test_eval_writes_a_report_per_split_with_pass_at_k(tmp_path):
 
 def test_train_set_changes_the_config_and_a_bad_value_names_its_field(tmp_path):
     """`raygent train CONFIG --set KEY=VALUE`: an override is validated like the file (a bad value names the
-    field, exit 2, nothing started); the config that runs is the file with the overrides, written to the run
-    folder as a valid Serve config."""
+    field, a deployment the app lacks names the ones it has: exit 2, nothing started); the config that runs is the
+    file with the overrides, to the args or to a deployment (`deployments.NAME.FIELD`), written to the run folder as
+    a valid Serve config."""
     from ray.serve.schema import ServeDeploySchema
 
-    from app.launch import _config_with_overrides, parse_overrides
+    from app.launch import _write_config, apply_overrides, parse_overrides
     from app.sft import read_config_file
 
     config = Path(__file__).resolve().parents[1] / "serve_configs" / "test_tiny.yaml"
@@ -87,14 +88,24 @@ def test_train_set_changes_the_config_and_a_bad_value_names_its_field(tmp_path):
     assert out.returncode == 2 and "args.optim.lr" in out.stdout, out.stdout
     out = run("train", str(config), "--set", "iterations")
     assert out.returncode == 2 and "KEY=VALUE" in out.stdout, out.stdout
+    out = run("train", str(config), "--set", "deployments.Polcy.num_replicas=1")
+    assert out.returncode == 2 and "no deployment 'Polcy'" in out.stdout and "Policy" in out.stdout, out.stdout
 
     import yaml
 
-    overrides = parse_overrides(["iterations=3", "placement.env_actors={cpu_node: 1}", "run_name=x"])
-    assert overrides == {"iterations": 3, "placement.env_actors": {"cpu_node": 1}, "run_name": "x"}
-    written = _config_with_overrides(config, yaml.safe_load(config.read_text()), overrides, tmp_path)
+    overrides = parse_overrides(["iterations=3", "placement.env_actors={cpu_node: 1}", "run_name=x",
+                                 "deployments.Policy.ray_actor_options.num_gpus=0",
+                                 "deployments.Policy.num_replicas=3"])
+    assert overrides["iterations"] == 3 and overrides["placement.env_actors"] == {"cpu_node": 1}
+    spec = apply_overrides(yaml.safe_load(config.read_text()), overrides)
+    written = _write_config(config, spec, overrides, tmp_path)
     ServeDeploySchema.model_validate(yaml.safe_load(written.read_text()))
     args, original = read_config_file(written), read_config_file(config)
     assert args["iterations"] == 3 and args["placement"]["env_actors"] == {"cpu_node": 1} and args["run_name"] == "x"
     assert {k: v for k, v in args.items() if k not in ("iterations", "placement", "run_name")} == \
         {k: v for k, v in original.items() if k not in ("iterations", "placement", "run_name")}
+    (policy,) = [d for d in yaml.safe_load(written.read_text())["applications"][0]["deployments"]
+                 if d["name"] == "Policy"]
+    assert policy["num_replicas"] == 3 and policy["ray_actor_options"]["num_gpus"] == 0
+    assert policy["ray_actor_options"]["num_cpus"] == yaml.safe_load(config.read_text())["applications"][0][
+        "deployments"][0]["ray_actor_options"]["num_cpus"], "a deployment's other fields were lost"

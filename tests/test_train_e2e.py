@@ -511,11 +511,14 @@ def test_unwritable_storage_fails_before_any_actor_starts(s3_bucket):
 
 
 @pytest.mark.timeout(1200)
-def test_the_real_model_trains_syncs_checkpoints_serves_and_evaluates(ray_cluster, serve_url, tmp_path):
-    """SmolLM2-135M-Instruct (the built-in `smollm2-135m`) through every path of a run, its recipe cut to CPU size:
-    a warm start and two GiGPO iterations, the Train job FSDP2 on 2 ranks, weights over a gloo group to 2 replicas,
-    a replica and a Train worker killed mid-run; the trainer's log-probs of the sampled replies are the engines';
-    the checkpoint is served by the agent endpoint with its path alone (the official openai client included), and
+def test_a_gpu_recipe_at_cpu_size_trains_the_real_model_syncs_checkpoints_serves_and_evaluates(ray_cluster, serve_url,
+                                                                                             tmp_path):
+    """The Sokoban GPU recipe (serve_configs/gpu/sokoban.yaml) run as benchmarks/bench_gpu_recipes_on_cpu.py runs
+    every recipe: SmolLM2-135M-Instruct (the built-in `smollm2-135m`) in place of Qwen, only sizes, devices and
+    engine settings changed, nccl's CPU twin gloo carrying the weights; here in float32 (the log-prob check below is
+    tight), with 2 replicas (one is killed) and a short warm start first (its path with a real model). A replica and
+    a Train worker are killed mid-run; the trainer's log-probs of the sampled replies are the engines'; the
+    checkpoint is served by the agent endpoint with its path alone (the official openai client included), and
     `raygent eval` plays the run's held-out seeds with their sampling seeds as the run's own validation did."""
     import subprocess
     import sys
@@ -524,22 +527,19 @@ def test_the_real_model_trains_syncs_checkpoints_serves_and_evaluates(ray_cluste
     from ray import serve
 
     from app.agent import build_agent_app
+    from benchmarks.bench_gpu_recipes_on_cpu import cpu_sized
 
     address = ray_cluster.get_runtime_context().gcs_address
     port = int(serve_url.rsplit(":", 1)[1])
     serve.delete("train")
-    config = training_config(REPO / "serve_configs" / "smollm2_numberline_cpu.yaml", tmp_path / "config.yaml", port,
-                             tmp_path / "runs", iterations=2,
-                             env={"name": "numberline", "kwargs": {"max_position": 8, "max_steps": 3}},
-                             rollout={"n_groups": 2, "group_size": 2, "num_env_actors": 2, "max_tokens": 12},
-                             warm_start={"enabled": True, "demo_seeds": 8, "steps": 4, "batch_size": 8,
-                                         "eval_every": 4, "lr": 2.0e-5, "target_success": 1.0},
-                             validation={"every": 1, "n_envs": 4, "temperature": 1.0, "baseline_envs": 0},
-                             checkpoint={"every": 1, "keep": 2, "resume": "never"},
-                             weight_sync={"backend": "gloo", "timeout_s": 60})
-    spec = yaml.safe_load(config.read_text())
-    (policy,) = [d for d in spec["applications"][0]["deployments"] if d["name"] == "Policy"]
-    policy["num_replicas"] = 2  # one is killed
+    spec, _ = cpu_sized(REPO / "serve_configs" / "gpu" / "sokoban.yaml", extra={
+        "output_dir": str(tmp_path / "runs"), "run_name": "recipe-sokoban",
+        "policy.dtype": "float32", "trainer.mixed_precision": "fp32", "weight_sync.timeout_s": 60,
+        "warm_start": {"enabled": True, "demo_seeds": 8, "steps": 4, "batch_size": 8, "eval_every": 4,
+                       "lr": 2.0e-5, "target_success": 1.0},
+        "checkpoint.keep": 2, "checkpoint.resume": "never", "deployments.Policy.num_replicas": 2})
+    spec["http_options"]["port"] = port
+    config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(spec))
     run = ServeRun(config, tmp_path / "run.log", address)
     try:
@@ -558,7 +558,7 @@ def test_the_real_model_trains_syncs_checkpoints_serves_and_evaluates(ray_cluste
         serve.delete("train")
     assert status["phase"] == "done" and status["iteration"] == 2, status
     assert versions == {status["weight_version"]}, (versions, status)
-    history = read_history(tmp_path / "runs" / "smollm2-numberline")
+    history = read_history(tmp_path / "runs" / "recipe-sokoban")
     train = trained_records(history)
     assert [r["iteration"] for r in train] == [1, 2]
     assert [r for r in history if r.get("phase") == "fault"], "the Train job was not restarted"
@@ -567,18 +567,17 @@ def test_the_real_model_trains_syncs_checkpoints_serves_and_evaluates(ray_cluste
         [r["train/rollout_trainer_logprob_gap"] for r in train]
     checkpoint = Path(status["last_checkpoint"]) / "model"
     card = json.loads((checkpoint / "raygent_agent.json").read_text())
-    assert card["env"]["name"] == "numberline" and card["source"]["iteration"] == 2
+    assert card["env"]["name"] == "sokoban" and card["source"]["iteration"] == 2
 
     # Served with the path alone; the official openai client gets chat completions from it.
     serve.run(build_agent_app({"policy": {"model": str(checkpoint)}}), name="real-agent", route_prefix="/real")
     try:
         client = OpenAI(base_url=f"{serve_url}/real/v1", api_key="unused", max_retries=0, timeout=300)
         chat = client.chat.completions.create(model="model", max_tokens=12, messages=[
-            {"role": "user", "content": "Number line: Target: 3, Current: 1. Reply <action>+</action> or "
-                                        "<action>-</action>."}])
+            {"role": "user", "content": "In Sokoban, which moves can a player make?"}])
         assert chat.choices[0].message.content and chat.usage.completion_tokens > 0
         episode = httpx.post(f"{serve_url}/real/v1/episodes", json={"seed": 2, "split": "val"}, timeout=300).json()
-        assert episode["env"] == "numberline" and episode["steps"] >= 1, episode
+        assert episode["env"] == "sokoban" and episode["steps"] >= 1, episode
     finally:
         serve.delete("real-agent")
 
