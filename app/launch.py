@@ -114,12 +114,11 @@ def train(config: str | Path, out=print, overrides: dict[str, Any] | None = None
     """Run the training Serve config to its end, its app's args changed by `overrides` ({dotted key: value}, as
     `--set` gives them); the exit code of `raygent train`."""
     config = Path(config)
-    spec = yaml.safe_load(config.read_text()) or {}
-    if overrides and "applications" not in spec:
-        out(f"raygent train: --set needs a Serve config (with applications:), and {config} is a bare args file")
-        return 2
     try:
         args = read_config_file(config)
+        spec = yaml.safe_load(config.read_text()) or {}
+        if overrides and "applications" not in spec:
+            raise ValueError(f"--set needs a Serve config (with applications:), and {config} is a bare args file")
         for key, value in (overrides or {}).items():
             if not key.startswith(DEPLOYMENTS):
                 set_dotted(args, key, value)
