@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -137,7 +138,8 @@ def main() -> None:
         runs += [(f"{name}+lora", name, LORA) for name in args.recipes.split(",")]
     for name, recipe, extra in runs:
         work = Path(args.work) / name
-        work.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(work, ignore_errors=True)  # a run folder left from before would be resumed (resume: auto)
+        work.mkdir(parents=True)
         print(f"{name}: running at CPU size ...", flush=True)
         results["recipes"][name] = result = run_recipe(RECIPES / f"{recipe}.yaml", work, args.timeout_s, extra)
         print(f"{name}: {result['phase']} after {result.get('iterations')} iterations in {result['wall_s']:.0f} s "
