@@ -14,6 +14,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -87,14 +88,20 @@ def build_packaged_model(name: str, models_dir: Path) -> Path:
     plain.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id,
                                                pad_token_id=tokenizer.pad_token_id,
                                                bos_token_id=config.bos_token_id)
-    models_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".building-", dir=models_dir))
+    return save_model_folder(target, plain, tokenizer, "raygent_source.json", {
+        "name": name, "package": f"{model.distribution}=={model.version}", "gguf": model.gguf,
+        "sha256": model.sha256, "weights": "the Q4_1 quantization's values, dequantized to float32"})
+
+
+def save_model_folder(target: Path, model: Any, tokenizer: Any, note_file: str, note: dict[str, Any]) -> Path:
+    """Write an HF folder (`model`, `tokenizer`, and `note` as JSON in `note_file`) to `target` atomically: built
+    beside it, then renamed; a builder that loses the race to another keeps the other's folder."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".building-", dir=target.parent))
     try:
-        plain.save_pretrained(tmp, safe_serialization=True)
+        model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        (tmp / "raygent_source.json").write_text(json.dumps(
-            {"name": name, "package": f"{model.distribution}=={model.version}", "gguf": model.gguf,
-             "sha256": model.sha256, "weights": "the Q4_1 quantization's values, dequantized to float32"}, indent=2))
+        (tmp / note_file).write_text(json.dumps(note, indent=2))
         os.rename(tmp, target)
     except OSError:
         if not (target / "config.json").exists():

@@ -8,12 +8,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from actors.builtin_models import PACKAGED_MODELS, build_packaged_model
+from actors.builtin_models import PACKAGED_MODELS, build_packaged_model, save_model_folder
 from actors.storage import check_on_this_node, fetch_folder, is_uri
 
 DEFAULT_NAME = "default"
@@ -133,19 +131,7 @@ def build_default_model(spec: DefaultModelSpec = DefaultModelSpec(), cache_dir: 
     model = Qwen2ForCausalLM(config)
     model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id,
                                                pad_token_id=tokenizer.pad_token_id)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".building-", dir=target.parent))
-    try:
-        model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-        (tmp / "raygent_spec.json").write_text(json.dumps(asdict(spec), indent=2))
-        os.rename(tmp, target)
-    except OSError:
-        if not (target / "config.json").exists():
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    return save_model_folder(target, model, tokenizer, "raygent_spec.json", asdict(spec))
 
 
 def resolve_model(name: str, cache_dir: Path | None = None) -> str:
