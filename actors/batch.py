@@ -76,14 +76,78 @@ def drop_stale_groups(batch: pa.Table, *, version: int) -> pa.Table:
     return batch.filter(pa.array(~np.isin(groups, stale))) if len(stale) else batch
 
 
+def is_turn_table(block: pa.Table) -> bool:
+    """Whether `block` holds the turns of conversations (conversation mode) rather than step rows."""
+    return "turn_start" in block.column_names
+
+
+CONVERSATION_SCHEMA = pa.schema([
+    ("prompt_ids", pa.list_(pa.int32())),
+    ("response_ids", pa.list_(pa.int32())),
+    ("rollout_logprobs", pa.list_(pa.float32())),
+    ("loss_mask", pa.list_(pa.int8())),
+    ("token_advantages", pa.list_(pa.float32())),
+    ("advantage", pa.float32()),  # the mean of its turns' advantages (metrics; the loss uses token_advantages)
+    ("reward", pa.float32()),  # the sum of its turns' rewards
+    ("valid", pa.bool_()),  # every turn valid
+    ("anchor", pa.string()),  # the first turn's
+    ("turn_anchors", pa.list_(pa.string())),  # every turn's (GiGPO's step groups, counted in the metrics)
+    ("turns", pa.int32()),
+    ("group_id", pa.int64()),
+    ("traj_id", pa.int64()),
+    ("weight_version", pa.int64()),  # its oldest turn's: a conversation is as stale as its oldest turn
+    ("env_seed", pa.int64()),
+    ("sampling_seed", pa.int64()),
+])
+
+
+def conversation_rows(turns: pa.Table) -> pa.Table:
+    """Turn rows with their advantages (one per assistant turn, the conversation's token lists on its first turn's
+    row) become one row per conversation: each turn's advantage on that turn's tokens (`token_advantages`), 0 on the
+    env's tokens, which `loss_mask` leaves out of the loss. So every step-mode estimator runs per turn unchanged,
+    GiGPO's step groups included (a turn's anchor is the observation it answered)."""
+    cols = turns.to_pydict()
+    out: dict[str, list] = {name: [] for name in CONVERSATION_SCHEMA.names}
+    rows_of: dict[tuple[int, int], list[int]] = {}
+    for i, key in enumerate(zip(cols["group_id"], cols["traj_id"], strict=True)):
+        rows_of.setdefault(key, []).append(i)
+    for (group, traj), idx in rows_of.items():
+        first = idx[0]
+        advantages = np.zeros(len(cols["response_ids"][first]), dtype=np.float32)
+        for i in idx:
+            advantages[cols["turn_start"][i]:cols["turn_end"][i]] = cols["advantage"][i]
+        for name in ("prompt_ids", "response_ids", "rollout_logprobs", "loss_mask", "anchor", "env_seed",
+                     "sampling_seed"):
+            out[name].append(cols[name][first])
+        out["token_advantages"].append(advantages)
+        out["turn_anchors"].append([cols["anchor"][i] for i in idx])
+        out["advantage"].append(float(np.mean([cols["advantage"][i] for i in idx])))
+        out["reward"].append(float(sum(cols["reward"][i] for i in idx)))
+        out["valid"].append(all(cols["valid"][i] for i in idx))
+        out["turns"].append(len(idx))
+        out["group_id"].append(group)
+        out["traj_id"].append(traj)
+        out["weight_version"].append(min(cols["weight_version"][i] for i in idx))
+    return pa.table(out, schema=CONVERSATION_SCHEMA)
+
+
 def prepare_block(block: pa.Table, algo: AlgorithmConfig, version: int | None = None) -> pa.Table:
     """Everything one block of whole groups needs before the batch exists: with `version` (sync mode), groups that
-    hold rows of other weights out; then each row's advantage, or for a whole-batch estimator its first pass."""
+    hold rows of other weights out; then each row's advantage, or for a whole-batch estimator its first pass; turn
+    rows with their advantages become conversation rows."""
     kwargs = {"estimator": algo.estimator, "params": algo.params, "penalty": algo.invalid_action_penalty,
               "dynamic_sampling": algo.dynamic_sampling}
     if version is not None:
         block = drop_stale_groups(block, version=version)
-    return (add_batch_values if algo.estimator in WHOLE_BATCH else add_advantages)(block, **kwargs)
+    if algo.estimator in WHOLE_BATCH:
+        return add_batch_values(block, **kwargs)
+    block = add_advantages(block, **kwargs)
+    return conversation_rows(block) if is_turn_table(block) else block
+
+
+def finish_rows(batch: pa.Table, **kwargs: Any) -> pa.Table:
+    table = finish_advantages(batch, **kwargs)
+    return conversation_rows(table) if is_turn_table(table) else table
 
 
 def build_batch(prepared: list[Any], algo: AlgorithmConfig) -> ray.data.MaterializedDataset:
@@ -97,7 +161,7 @@ def build_batch(prepared: list[Any], algo: AlgorithmConfig) -> ray.data.Material
     for part in ds.map_batches(block_moments, **map_args).take_all():
         moments = moments.merge(Moments(part["count"], part["mean"], part["m2"]))
     finish = {"estimator": algo.estimator, "params": algo.params, "moments": moments.__dict__}
-    return ds.map_batches(finish_advantages, fn_kwargs=finish, **map_args).materialize()
+    return ds.map_batches(finish_rows, fn_kwargs=finish, **map_args).materialize()
 
 
 async def built_within(deadline_s: float, what: str, build: Callable[..., Any], *args: Any) -> Any:
@@ -142,7 +206,8 @@ def training_batch(prepared: list[Any], algo: AlgorithmConfig, n_workers: int, g
     (async mode: an update landed mid-episode). (None, summary, None, {}) when no row is left. Blocks on Ray Data
     tasks: call it off an event loop."""
     ds = build_batch(prepared, algo)
-    summary = ds.select_columns(["group_id", "traj_id", "anchor", "advantage", "weight_version"]).to_pandas()
+    turns = ["turn_anchors"] if "turn_anchors" in ds.schema().names else []  # conversation rows
+    summary = ds.select_columns(["group_id", "traj_id", "anchor", "advantage", "weight_version", *turns]).to_pandas()
     if len(summary) == 0:
         return None, summary, None, {}
     per_group = summary.groupby("group_id").agg(trajs=("traj_id", "nunique"), versions=("weight_version", "nunique"))

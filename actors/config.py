@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 import envs
 import memory
 from actors.builtin_models import PACKAGED_MODELS, gguf_file
+from actors.conversation import AgentLoop
 from actors.storage import Storage, check_folder, is_uri
 from algorithms import ESTIMATORS
 from algorithms.losses import KL_KINDS, LOSS_AGG_MODES, RATIO_MODES
@@ -142,6 +143,14 @@ class MemoryConfig(_Section):
         return self
 
 
+def _check_agent_loop(name: str) -> str:
+    if name not in ("step", "conversation"):
+        from actors.episodes import load_agent_loop
+
+        load_agent_loop(name)  # a ValueError names what is wrong
+    return name
+
+
 class RolloutConfig(_Section):
     n_groups: int = Field(16, ge=1, description="groups per iteration (distinct initial states)")
     group_size: int = Field(8, ge=1, description="environments per group sharing one initial state (GiGPO: 8)")
@@ -162,12 +171,26 @@ class RolloutConfig(_Section):
     policy_timeout_s: float = Field(300.0, gt=0, description="deadline of one policy call (a batch of prompts); "
                                                               "past it the call is retried once, then the "
                                                               "actor's groups are redone or dropped")
+    agent_loop: str = Field(
+        "step", description="step: a bounded prompt per step (the env's prompt and the memory's view of the past), "
+                            "one training row per step; conversation: the whole episode as one growing "
+                            "conversation (env and tool turns as chat messages), one row per episode with only "
+                            "the model's tokens trained; or \"package.module:Class\", a conversation loop of "
+                            "your own (docs/conversations.md)")
+    conversation_tokens: int = Field(
+        1024, ge=16, description="conversation mode: the most tokens after the first prompt (the model's and the "
+                                 "env's together); an episode that would pass it ends, counted as token_budget")
     mode: Literal["sync", "async"] = Field(
         "sync", description="sync: each iteration's rollout, then its update; async: the rollouts of the next "
                             "max_staleness iterations run while the Train job updates (docs/async.md)")
     max_staleness: int | None = Field(
         None, ge=1, le=8, description="async only (default 1): the most weight versions a trained row may lag the "
                                       "trainer's; older rows are left out of the loss and counted")
+
+    @field_validator("agent_loop")
+    @classmethod
+    def _known_loop(cls, v: str) -> str:
+        return _check_agent_loop(v)
 
     @model_validator(mode="after")
     def _enough_groups(self) -> RolloutConfig:
@@ -478,6 +501,22 @@ class TrainConfig(_Section):
         return self
 
     @model_validator(mode="after")
+    def _conversation_is_its_own_memory(self) -> TrainConfig:
+        if self.agent_loop.kind != "conversation":
+            return self
+        if self.memory.name != "none":
+            raise ValueError(f"rollout.agent_loop {self.rollout.agent_loop!r} keeps the whole episode in the prompt (the "
+                             f"conversation is the memory): memory.name must be 'none', got {self.memory.name!r}")
+        if self.rollout.conversation_tokens + 16 > self.policy.max_model_len:
+            raise ValueError(f"rollout.conversation_tokens {self.rollout.conversation_tokens} leaves no room for the "
+                             f"first prompt in policy.max_model_len {self.policy.max_model_len}")
+        return self
+
+    @property
+    def agent_loop(self) -> AgentLoop:
+        return AgentLoop.from_config(self.rollout.agent_loop, self.rollout.conversation_tokens)
+
+    @model_validator(mode="after")
     def _trains_its_own_adapter(self) -> TrainConfig:
         # A served adapter in a training run would make the replicas sample from a policy the Train job is not
         # training; a LoRA run's adapter is `policy.lora`, and it resumes from its checkpoints.
@@ -511,6 +550,7 @@ class TrainConfig(_Section):
                          sampling=AgentSampling(temperature=self.validation.temperature, top_p=self.rollout.top_p,
                                                 max_tokens=self.rollout.max_tokens),
                          max_model_len=self.policy.max_model_len, heldout_split=self.validation_split,
+                         agent_loop=self.rollout.agent_loop, conversation_tokens=self.rollout.conversation_tokens,
                          retriever=self.retriever, source={"run_name": self.run_name, "seed": self.seed, **source})
 
     @property
@@ -519,8 +559,11 @@ class TrainConfig(_Section):
 
     @property
     def loss_norm_length(self) -> int:
-        """Dr. GRPO's constant: the configured maximum reply length unless set."""
-        return self.optim.loss_norm_length or self.rollout.max_tokens
+        """Dr. GRPO's constant: the configured maximum reply length unless set (conversation mode: the most tokens a
+        conversation's response may hold, `rollout.conversation_tokens`)."""
+        longest = self.rollout.conversation_tokens if self.agent_loop.kind == "conversation" else \
+            self.rollout.max_tokens
+        return self.optim.loss_norm_length or longest
 
     @property
     def env_kwargs(self) -> dict[str, Any]:
@@ -547,7 +590,8 @@ class AgentCard(_Section):
     folder and by `raygent sft` as `raygent_agent.json` (`actors.checkpoint`); the agent endpoint and `raygent eval`
     read it, so serving a checkpoint needs only its folder."""
 
-    format_version: int = 1
+    format_version: int = Field(2, description="2: agent_loop and conversation_tokens (a card without them, "
+                                               "version 1, is a step-mode agent)")
     env: EnvConfig
     memory: MemoryConfig = MemoryConfig(name="none")
     prompt: dict[str, str] = Field(default_factory=dict, description="task_description, prompt_template, "
@@ -555,6 +599,13 @@ class AgentCard(_Section):
     sampling: AgentSampling = AgentSampling()
     max_model_len: int = Field(1024, ge=16)
     heldout_split: str | None = None
+    agent_loop: str = Field("step", description="step, conversation or a custom loop's import path")
+
+    @field_validator("agent_loop")
+    @classmethod
+    def _known_loop(cls, v: str) -> str:
+        return _check_agent_loop(v)
+    conversation_tokens: int = Field(1024, ge=16)
     retriever: RetrieverConfig | None = Field(None, description="the retrieval deployment the env searched")
     source: dict[str, Any] = Field(default_factory=dict, description="where the weights come from: run, "
                                                                      "iteration, weight version, warm start")
@@ -568,6 +619,10 @@ class AgentCard(_Section):
 
     def make_memory(self) -> Any:
         return memory.make(self.memory.name, **self.memory.kwargs)
+
+    @property
+    def loop(self) -> AgentLoop:
+        return AgentLoop.from_config(self.agent_loop, self.conversation_tokens)
 
     @property
     def heldout_kwargs(self) -> dict[str, Any]:

@@ -327,7 +327,10 @@ class Controller:
             logger.warning("iteration %d: %d rows after filtering; skipping the update", it, len(summary))
             return record
         t_data = time.perf_counter()
-        stats = step_group_stats(summary["group_id"].to_numpy(), summary["anchor"].to_numpy())
+        # GiGPO's step groups are over steps, or over the turns of conversation rows
+        turns = summary.explode("turn_anchors") if "turn_anchors" in summary else summary.assign(
+            turn_anchors=summary["anchor"])
+        stats = step_group_stats(turns["group_id"].to_numpy(), turns["turn_anchors"].to_numpy())
         record.update({"data/rows": len(summary), "data/step_group_share": stats["step_group_share"],
                        "data/step_group_mean_size": stats["step_group_mean_size"],
                        "data/advantage_abs_mean": float(np.abs(summary["advantage"]).mean()),

@@ -26,6 +26,7 @@ import envs
 import memory
 from actors.batch import prepare_block
 from actors.config import AlgorithmConfig
+from actors.conversation import STEP, AgentLoop
 from actors.demonstrations import play_demonstrations
 from actors.episodes import (
     Coalescer,
@@ -81,14 +82,41 @@ class EnvPool:
             free.extend(lent)
 
 
+# Conversation mode: one row per assistant turn, the conversation's token lists on its first turn's row (the others'
+# lists are empty) and each turn's span in them; `actors.batch.conversation_rows` makes them one row per episode.
+TURN_SCHEMA = RECORD_SCHEMA.append(pa.field("loss_mask", pa.list_(pa.int8()))).append(
+    pa.field("turn_start", pa.int32())).append(pa.field("turn_end", pa.int32()))
+
+
 def records_table(episodes: Sequence[Episode], group_id: int, group_size: int) -> pa.Table:
-    """One group's step records (its episodes in member order) as a block of the iteration's Dataset."""
-    rows: dict[str, list] = {name: [] for name in RECORD_SCHEMA.names}
+    """One group's step records (its episodes in member order) as a block of the iteration's Dataset; in
+    conversation mode its turn records (TURN_SCHEMA)."""
+    turns = any(e.conversation is not None for e in episodes)
+    schema = TURN_SCHEMA if turns else RECORD_SCHEMA
+    rows: dict[str, list] = {name: [] for name in schema.names}
     for member, episode in enumerate(episodes):
-        for s in episode.steps:
-            rows["prompt_ids"].append(s.prompt_ids)
-            rows["response_ids"].append(s.response_ids)
-            rows["rollout_logprobs"].append(s.logprobs)
+        conversation = episode.conversation
+        spans = conversation.step_spans() if conversation is not None else []
+        if turns and episode.steps and len(spans) < len(episode.steps):
+            raise ValueError(f"episode of group {group_id} has {len(episode.steps)} steps but its conversation "
+                             f"answers {len(spans)}")
+        # replies of a step the env never took (a loop that replied, then hit a limit) stay as context, untrained
+        mask = conversation.loss_mask if len(spans) <= len(episode.steps) or not episode.steps else \
+            conversation.loss_mask[:spans[len(episode.steps) - 1][1]] + \
+            [0] * (len(conversation.loss_mask) - spans[len(episode.steps) - 1][1])
+        for k, s in enumerate(episode.steps):
+            if turns:
+                first = k == 0
+                rows["prompt_ids"].append(conversation.prompt_ids if first else [])
+                rows["response_ids"].append(conversation.response_ids if first else [])
+                rows["rollout_logprobs"].append(conversation.logprobs if first else [])
+                rows["loss_mask"].append(mask if first else [])
+                rows["turn_start"].append(spans[k][0])
+                rows["turn_end"].append(spans[k][1])
+            else:
+                rows["prompt_ids"].append(s.prompt_ids)
+                rows["response_ids"].append(s.response_ids)
+                rows["rollout_logprobs"].append(s.logprobs)
             rows["reward"].append(s.reward)
             rows["valid"].append(s.valid)
             rows["anchor"].append(s.anchor)
@@ -99,7 +127,7 @@ def records_table(episodes: Sequence[Episode], group_id: int, group_size: int) -
             rows["weight_version"].append(s.weight_version)
             rows["env_seed"].append(episode.seed)
             rows["sampling_seed"].append(episode.sampling_seed)
-    return pa.table(rows, schema=RECORD_SCHEMA)
+    return pa.table(rows, schema=schema)
 
 
 async def read_rollout(stream: Any, on_group: Callable[[dict[str, Any], Any], None]) -> dict[str, Any]:
@@ -124,7 +152,7 @@ async def read_rollout(stream: Any, on_group: Callable[[dict[str, Any], Any], No
 class EnvGroupActor:
     def __init__(self, env_name: str, env_kwargs: dict[str, Any], memory_name: str, memory_kwargs: dict[str, Any],
                  model_path: str, policy: Any, max_model_len: int, retriever: Any = None,
-                 policy_timeout_s: float = 300.0):
+                 policy_timeout_s: float = 300.0, loop: AgentLoop = STEP):
         import os
 
         from transformers import AutoTokenizer
@@ -135,6 +163,7 @@ class EnvGroupActor:
         self.tokenizer = AutoTokenizer.from_pretrained(local_folder(model_path))
         self.policy = policy
         self.max_model_len = max_model_len
+        self.loop = loop  # step or conversation (actors/conversation.py)
         self.policy_timeout_s = policy_timeout_s
         self.retriever = retriever  # the Retriever deployment's handle, for envs with `retriever: serve`
         self._pool = EnvPool(lambda kwargs: attach_retriever(envs.make(self.env_name, **kwargs), kwargs,
@@ -160,7 +189,7 @@ class EnvGroupActor:
     async def _play(self, seeds: Sequence[int], sampling_seeds: Sequence[int], groups: Sequence[int],
                     sampling: dict[str, Any], env_kwargs: dict[str, Any], chunks: int, route_by_group: bool,
                     on_episode: Callable[[int, Episode], None] | None = None) -> tuple[list[Episode], float]:
-        if route_by_group:
+        if route_by_group or self.loop.kind == "conversation":  # a conversation stays on its prefix's replica
             lanes = Lanes(self._send, chunks)
             generate, busy = [lanes.for_group(g) for g in groups], lanes
         else:
@@ -170,7 +199,7 @@ class EnvGroupActor:
 
             def make(i: int):
                 decide = policy_decider(self.tokenizer, generate[i], sampling, max_model_len=self.max_model_len,
-                                        sampling_seed=sampling_seeds[i])
+                                        sampling_seed=sampling_seeds[i], loop=self.loop)
                 return (games[i], memory.make(self.memory_name, **self.memory_kwargs), decide, int(seeds[i]),
                         int(sampling_seeds[i]))
 
@@ -243,19 +272,21 @@ class EnvGroupActor:
             return await play_heldout(games.__getitem__,
                                       lambda: memory.make(self.memory_name, **self.memory_kwargs), self.tokenizer,
                                       coalescer.generate, seeds, samples=samples, sampling=sampling,
-                                      max_model_len=self.max_model_len, run_seed=run_seed, seed_offset=seed_offset)
+                                      max_model_len=self.max_model_len, run_seed=run_seed, seed_offset=seed_offset,
+                                      loop=self.loop)
 
     @ray.method(num_returns=2)
     async def demonstrations(self, seeds: Sequence[int], expert_prob: float, rng_seed: int) -> tuple[pa.Table, dict]:
         """Warm-start data: states visited by a player that follows the env's expert with probability
-        `expert_prob` (else a random admissible action), each labelled with the expert's action as the reply
+        `expert_prob` (else a random admissible action), each labelled with the expert's action as the reply; in
+        conversation mode whole conversations with the expert's turns masked in
         (`actors.demonstrations.make_demonstrations`, shared with `raygent sft`)."""
-        prompts, responses = await play_demonstrations(self.tokenizer, self.env_name, self.env_kwargs,
-                                                        self.memory_name, self.memory_kwargs, seeds, expert_prob,
-                                                        rng_seed)
-        table = pa.table({"prompt_ids": pa.array(prompts, pa.list_(pa.int32())),
-                          "response_ids": pa.array(responses, pa.list_(pa.int32()))})
-        return table, {"rows": len(prompts), "episodes": len(seeds)}
+        rows = await play_demonstrations(self.tokenizer, self.env_name, self.env_kwargs, self.memory_name,
+                                         self.memory_kwargs, seeds, expert_prob, rng_seed, loop=self.loop)
+        types = {"prompt_ids": pa.list_(pa.int32()), "response_ids": pa.list_(pa.int32()),
+                 "loss_mask": pa.list_(pa.int8())}
+        table = pa.table({k: pa.array(v, types[k]) for k, v in rows.items()})
+        return table, {"rows": table.num_rows, "episodes": len(seeds)}
 
     async def random_policy_success(self, seeds: Sequence[int], rng_seed: int, env_kwargs: dict[str, Any]) -> float:
         """Success rate of a uniformly random admissible action on these seeds: the floor RL must beat."""

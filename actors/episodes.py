@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
+import importlib
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
@@ -27,7 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from actors.prompting import encode_prompt
+from actors.conversation import STEP, AgentLoop, Conversation, ConversationOver, chat_deltas, next_turn
+from actors.prompting import agent_messages, encode_prompt
 
 Generate = Callable[[list[int], dict[str, Any]], Awaitable[dict[str, Any]]]
 
@@ -95,6 +97,7 @@ class Episode:
     final_observation: str
     final_info: dict[str, Any]
     sampling_seed: int | None = None
+    conversation: Conversation | None = None  # conversation mode: the episode's token list (actors/conversation.py)
 
     @property
     def valid_steps(self) -> int:
@@ -132,6 +135,9 @@ async def play(env: Any, memory: Any, decide: Decide, *, seed: int, max_steps: i
         except PromptTooLong:
             ended = "prompt_too_long"
             break
+        except ConversationOver as e:
+            ended = e.reason
+            break
         if decision is None:
             ended = "no_decision"
             break
@@ -153,7 +159,7 @@ async def play(env: Any, memory: Any, decide: Decide, *, seed: int, max_steps: i
             ended = "terminated" if terminated else "truncated"
             break
     return Episode(seed=int(seed), steps=steps, won=won, return_=total, ended=ended, final_observation=observation,
-                   final_info=info, sampling_seed=sampling_seed)
+                   final_info=info, sampling_seed=sampling_seed, conversation=getattr(decide, "conversation", None))
 
 
 async def play_all(make: Callable[[int], tuple[Any, Any, Decide, int, int | None]], n: int,
@@ -283,9 +289,14 @@ class Lanes:
 
 # ---- deciders ---------------------------------------------------------------------------------------------------
 def policy_decider(tokenizer: Any, generate: Generate, sampling: dict[str, Any], *, max_model_len: int,
-                   sampling_seed: int | None = None) -> Decide:
+                   sampling_seed: int | None = None, loop: AgentLoop = STEP) -> Decide:
     """The policy: the prompt as training builds it, one `generate` call per step, seeded per step when the episode
-    has a sampling seed (greedy decoding needs none)."""
+    has a sampling seed (greedy decoding needs none). `loop` conversation: one growing conversation per episode
+    (`ConversationDecider`)."""
+    if loop.kind == "conversation":
+        decider = load_agent_loop(loop.custom) if loop.custom else ConversationDecider
+        return decider(tokenizer, generate, sampling, max_model_len=max_model_len, budget=loop.max_tokens,
+                       sampling_seed=sampling_seed)
 
     async def decide(turn: Turn) -> Decision:
         prompt = encode_prompt(tokenizer, turn.env, turn.observation, turn.memory.render())
@@ -298,6 +309,60 @@ def policy_decider(tokenizer: Any, generate: Generate, sampling: dict[str, Any],
                         int(reply.get("weight_version", 0)), replica=reply.get("replica_id"))
 
     return decide
+
+
+class ConversationDecider:
+    """The policy in conversation mode, one per episode: the first prompt is the env's prompt as one user message;
+    each later turn appends the env's answer to the last reply (`env.followup_messages`: a user or tool message) as a
+    template delta, then the engine's reply tokens as they are (`actors.conversation`). `conversation` is the
+    episode's token list so far, kept when a limit ends the episode."""
+
+    def __init__(self, tokenizer: Any, generate: Generate, sampling: dict[str, Any], *, max_model_len: int,
+                 budget: int, sampling_seed: int | None = None):
+        self.chat = chat_deltas(tokenizer)
+        self.generate, self.sampling, self.sampling_seed = generate, sampling, sampling_seed
+        self.max_model_len, self.budget = max_model_len, budget
+        self.conversation: Conversation | None = None
+
+    def messages(self, turn: Turn) -> list[dict[str, Any]]:
+        if self.conversation is None:
+            return agent_messages(turn.env, turn.observation, "")
+        follow = getattr(turn.env, "followup_messages", None)
+        return follow(turn.observation, turn.info) if follow else agent_messages(turn.env, turn.observation, "")
+
+    async def reply(self, turn: Turn, messages: list[dict[str, Any]], attempt: int = 0) -> Decision:
+        """Append `messages` (what answers the last reply; the first prompt's message at the start) and one reply
+        of the policy to the conversation, as part of `turn`'s step; its sampling seed comes from the step and
+        `attempt` (a loop that asks twice in one step)."""
+        self.conversation, room = next_turn(self.chat, self.conversation, messages, budget=self.budget,
+                                            reply_tokens=int(self.sampling["max_tokens"]),
+                                            max_model_len=self.max_model_len)
+        seed = None if self.sampling_seed is None else step_sampling_seed(self.sampling_seed, turn.step + 1000 * attempt)
+        prompt = self.conversation.ids
+        reply = await self.generate(prompt, {**self.sampling, "max_tokens": room, "seed": seed})
+        version = int(reply.get("weight_version", 0))
+        self.conversation.add_reply(list(reply["token_ids"]), list(reply["logprobs"]), version, step=turn.step)
+        return Decision(reply["text"], prompt, list(reply["token_ids"]), list(reply["logprobs"]), version,
+                        replica=reply.get("replica_id"))
+
+    async def __call__(self, turn: Turn) -> Decision:
+        """One env step: the env's message, one reply. A custom loop (`rollout.agent_loop: "package.module:Class"`)
+        subclasses this and overrides `__call__` (and `messages`), calling `reply` as often as it needs."""
+        return await self.reply(turn, self.messages(turn))
+
+
+def load_agent_loop(path: str) -> type[ConversationDecider]:
+    """A custom conversation loop by import path ("package.module:Class", a ConversationDecider subclass); raises
+    ValueError saying what is wrong."""
+    module_name, _, attr = path.partition(":")
+    try:
+        cls = getattr(importlib.import_module(module_name), attr) if module_name and attr else None
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"cannot load agent loop {path!r}: {e}") from None
+    if not (isinstance(cls, type) and issubclass(cls, ConversationDecider)):
+        raise ValueError(f"agent loop {path!r} must name a subclass of actors.episodes.ConversationDecider "
+                         "(\"package.module:Class\"), or be 'step' or 'conversation'")
+    return cls
 
 
 def action_reply(action: str) -> str:
@@ -354,6 +419,7 @@ def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
             "return_sum": float(sum(e.return_ for e in episodes)), "steps": len(steps),
             "valid_steps": sum(s.valid for s in steps),
             "prompt_too_long": sum(e.ended == "prompt_too_long" for e in episodes),
+            "token_budget": sum(e.ended == "token_budget" for e in episodes),
             "env_errors": sum(s.env_error is not None for s in steps),
             "generated_tokens": sum(len(s.response_ids) for s in steps),
             "prompt_tokens": sum(len(s.prompt_ids) for s in steps),

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from actors.conversation import STEP, AgentLoop
 from actors.episodes import Episode, episode_sampling_seed
 
 
@@ -68,11 +69,12 @@ def summarize(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
 async def play_heldout(make_env: Any, make_memory: Any, tokenizer: Any, generate: Any, seeds: Sequence[int], *,
                        samples: int, sampling: dict[str, Any], max_model_len: int, run_seed: int = 0,
                        seed_offset: int = 0, max_steps: int | None = None,
-                       on_episode: Any = None) -> list[dict[str, Any]]:
+                       on_episode: Any = None, loop: AgentLoop = STEP) -> list[dict[str, Any]]:
     """Held-out episodes of a policy, `samples` per seed, all concurrent (the episode runner); one result each.
     Seed k of the whole evaluation (`seed_offset + k`) and sample j fix the episode's sampling seed, so the same
     evaluation replays wherever it runs: in training's validation, `raygent eval`, `raygent sft`, `/v1/episodes`.
-    `make_env(i)` gives the env for episode i (a pool may reuse them), `make_memory()` a fresh memory."""
+    `make_env(i)` gives the env for episode i (a pool may reuse them), `make_memory()` a fresh memory; `loop` is the
+    agent loop training used (step or conversation)."""
     from actors.episodes import play_all, policy_decider
 
     env_seeds = [int(s) for s in seeds for _ in range(samples)]
@@ -82,7 +84,7 @@ async def play_heldout(make_env: Any, make_memory: Any, tokenizer: Any, generate
 
     def make(i: int):
         decide = policy_decider(tokenizer, generate, sampling, max_model_len=max_model_len,
-                                sampling_seed=sampling_seeds[i])
+                                sampling_seed=sampling_seeds[i], loop=loop)
         return make_env(i), make_memory(), decide, env_seeds[i], sampling_seeds[i]
 
     episodes = await play_all(make, len(env_seeds), max_steps=max_steps, on_episode=on_episode)

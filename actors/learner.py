@@ -3,7 +3,10 @@
 loss that runs.
 
 A step record is one (prompt, response) pair: `prompt_ids`, `response_ids`, and for RL also `rollout_logprobs`
-(per response token, from the engine) and `advantage` (one per row, from the estimator).
+(per response token, from the engine) and `advantage` (one per row, from the estimator). A conversation row
+(`actors/conversation.py`) also has `loss_mask` (1 on the model's tokens, 0 on the env's and tools' tokens between
+its turns) and `token_advantages` (each turn's advantage on its tokens): every term of the loss, its denominators
+and every statistic (log-prob gap, importance weights, clip fractions) count the model's tokens only.
 
 Exact aggregation. A minibatch (the rows of one optimizer step) is spread over the ranks and, on each rank, over
 micro-batches. Before any backward, the ranks sum what the loss divides by (`algorithms.losses.loss_denominator`:
@@ -229,12 +232,13 @@ def correction_weights(raw: Sequence[np.ndarray], optim: OptimConfig) -> list[np
     return [np.ones(len(w), np.float32) for w in raw]
 
 
-def _denominator(weights: Sequence[np.ndarray], rows: np.ndarray, optim: OptimConfig) -> float:
+def _denominator(weights: Sequence[np.ndarray], keep: Sequence[np.ndarray], rows: np.ndarray,
+                 optim: OptimConfig) -> float:
     """This rank's share of the minibatch's `loss_denominator`, from the rows' token masks (before any forward)."""
     if optim.rollout_correction == "mask":
-        kept = [float(np.count_nonzero(weights[i])) for i in rows]
+        kept = [float(np.count_nonzero(weights[i] * keep[i])) for i in rows]
     else:
-        kept = [float(len(weights[i])) for i in rows]
+        kept = [float(keep[i].sum()) for i in rows]
     if optim.loss_agg_mode == "token-mean":
         return float(sum(kept))
     return float(sum(k > 0 for k in kept))
@@ -285,7 +289,11 @@ def rl_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rows: dict
     `optimizer_steps=False` leaves the accumulated gradient of the (single) minibatch in place (tests)."""
     n_local = len(rows["prompt_ids"])
     rollout_old = [np.asarray(r, np.float32) for r in rows["rollout_logprobs"]]
-    advantages = torch.as_tensor(np.asarray(rows["advantage"], dtype=np.float32))
+    # the tokens that are the model's (all of a step row's reply) and each token's advantage
+    keep = ([np.asarray(m, np.float32) for m in rows["loss_mask"]] if "loss_mask" in rows
+            else [np.ones(len(r), np.float32) for r in rollout_old])
+    advantages = ([np.asarray(a, np.float32) for a in rows["token_advantages"]] if "token_advantages" in rows
+                  else [np.full(len(r), a, np.float32) for r, a in zip(rollout_old, rows["advantage"], strict=True)])
     set_lr(optimizer, lr)
 
     # 1. Behaviour log-probs: the trainer's own (then the first ratio is exactly 1, and the engine's differ only by
@@ -293,12 +301,13 @@ def rl_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rows: dict
     if optim.old_logprobs == "recompute":
         old = behaviour_logprobs(model, rows, optim, pad_id=pad_id, device=device, collective=collective,
                                  autocast_dtype=autocast_dtype)
-        gap_sum = sum(float(np.abs(o - r).sum()) for o, r in zip(old, rollout_old, strict=True))
-        gap_tokens = float(sum(len(r) for r in rollout_old))
+        gap_sum = sum(float((np.abs(o - r) * k).sum()) for o, r, k in zip(old, rollout_old, keep, strict=True))
+        gap_tokens = float(sum(k.sum() for k in keep))
     else:
         old, gap_sum, gap_tokens = rollout_old, 0.0, 0.0  # the gap is measured on the first step below
     raw_weights = importance_weights(old, rollout_old)
     weights = correction_weights(raw_weights, optim)
+    raw_weights = [w[k > 0] for w, k in zip(raw_weights, keep, strict=True)]  # its statistics: the model's tokens
 
     # 2. Optimizer steps over minibatches; each minibatch's denominators summed over all ranks first.
     (n_global,) = collective.sum([n_local])
@@ -309,7 +318,7 @@ def rl_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rows: dict
     first_step = True
     for _ in range(optim.epochs):
         for minibatch in np.array_split(rng.permutation(n_local), steps_per_epoch):
-            (denominator,) = collective.sum([_denominator(weights, minibatch, optim)])
+            (denominator,) = collective.sum([_denominator(weights, keep, minibatch, optim)])
             for part in _plan(len(minibatch), optim.micro_batch_size, collective):
                 if part is None:
                     batch, live = _to(_dummy_batch(pad_id), device), False
@@ -318,8 +327,9 @@ def rl_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rows: dict
                     batch = _to(collate([rows["prompt_ids"][i] for i in idx], [rows["response_ids"][i] for i in idx],
                                         pad_id, values={"old_logprobs": [old[i] for i in idx],
                                                         "rollout_logprobs": [rollout_old[i] for i in idx],
-                                                        "weight": [weights[i] for i in idx]}), device)
-                    batch["advantages"] = advantages[idx].to(device)
+                                                        "weight": [weights[i] for i in idx],
+                                                        "keep": [keep[i] for i in idx],
+                                                        "advantages": [advantages[i] for i in idx]}), device)
                     live = True
                 with autocast(device, autocast_dtype):
                     ref = None
@@ -331,7 +341,7 @@ def rl_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rows: dict
                 if not live:  # zero-weight: only here so that every rank runs the same collectives
                     (logp.sum() * 0.0).backward()
                     continue
-                mask = batch["response_mask"] * (batch["weight"] if optim.rollout_correction == "mask" else 1.0)
+                mask = batch["keep"] * (batch["weight"] if optim.rollout_correction == "mask" else 1.0)
                 loss, pg, stats = rl_loss(logp, entropy, ref, batch, mask, optim, norm_length, denominator)
                 # FSDP and DDP average the ranks' gradients; the loss is a sum of the ranks' shares: undo the mean.
                 (loss * collective.world).backward()
@@ -344,7 +354,7 @@ def rl_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rows: dict
                     sums["pg_loss"] += float(pg.detach())
                     sums["loss"] += float(loss.detach())
                     if first_step and optim.old_logprobs == "rollout":
-                        real = batch["response_mask"]
+                        real = batch["keep"]
                         gap_sum += float(((logp.detach() - batch["rollout_logprobs"]).abs() * real).sum())
                         gap_tokens += float(real.sum())
             first_step = False
@@ -378,12 +388,16 @@ def rl_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rows: dict
 def sft_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, prompt_ids: Sequence[Sequence[int]],
              response_ids: Sequence[Sequence[int]], rows: Sequence[int], *, lr: float, micro_batch_size: int,
              grad_clip: float, pad_id: int, device: torch.device | str, collective: Collective = ALONE,
-             autocast_dtype: torch.dtype | None = None, optimizer_steps: bool = True) -> dict[str, float]:
+             autocast_dtype: torch.dtype | None = None, optimizer_steps: bool = True,
+             loss_masks: Sequence[Sequence[int]] | None = None) -> dict[str, float]:
     """One supervised step: cross-entropy on the reply tokens only (the prompt is context, not a target), the mean
-    over every reply token of `rows` on every rank, micro-batched. Returns the step's global loss and grad norm."""
+    over every reply token of `rows` on every rank, micro-batched. With `loss_masks` (conversation rows) only the
+    tokens masked 1 are targets. Returns the step's global loss and grad norm."""
     set_lr(optimizer, lr)
     rows = np.asarray(rows, dtype=np.int64)
-    (n_tokens,) = collective.sum([float(sum(len(response_ids[i]) for i in rows))])
+    keep = ([np.asarray(m, np.float32) for m in loss_masks] if loss_masks is not None
+            else [np.ones(len(r), np.float32) for r in response_ids])
+    (n_tokens,) = collective.sum([float(sum(keep[i].sum() for i in rows))])
     loss_sum = 0.0
     for part in _plan(len(rows), micro_batch_size, collective):
         if part is None:
@@ -392,10 +406,11 @@ def sft_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, prompt_id
             (logp.sum() * 0.0).backward()
             continue
         idx = rows[part]
-        batch = _to(collate([prompt_ids[i] for i in idx], [response_ids[i] for i in idx], pad_id), device)
+        batch = _to(collate([prompt_ids[i] for i in idx], [response_ids[i] for i in idx], pad_id,
+                            values={"keep": [keep[i] for i in idx]}), device)
         with autocast(device, autocast_dtype):
             logp, _ = token_logprobs(model, batch)
-        loss = -aggregate_loss(logp, batch["response_mask"], "token-mean", denominator=n_tokens)
+        loss = -aggregate_loss(logp, batch["keep"], "token-mean", denominator=n_tokens)
         (loss * collective.world).backward()
         loss_sum += float(loss.detach())
     (loss_sum,) = collective.sum([loss_sum])

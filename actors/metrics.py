@@ -46,6 +46,8 @@ DASHBOARD_METRICS = {
     "faults/rerolled_groups": ("groups re-rolled after an env-group actor failed", "faults"),
     "faults/dropped_groups": ("groups dropped after a second failure", "faults"),
     "faults/prompt_too_long": ("episodes ended by a prompt longer than max_model_len", "faults"),
+    "train/token_budget_endings": ("conversations ended by rollout.conversation_tokens (conversation mode)",
+                                   "learning"),
     "faults/env_errors": ("failures of services an env depends on (retriever, tools)", "faults"),
     "faults/stale_rows": ("rows from a replica on other weights (their groups are dropped)", "faults"),
     "faults/trainer_restarts": ("Train job restarts from the last checkpoint", "faults"),

@@ -57,6 +57,7 @@ def rollout_metrics(parts: list[dict[str, Any]], prefix: str) -> dict[str, Any]:
                     "faults/rerolled_groups": int(total("rerolled_groups")),
                     "faults/dropped_groups": int(total("dropped_groups")),
                     "faults/prompt_too_long": int(total("prompt_too_long")),
+                    "train/token_budget_endings": int(total("token_budget")),
                     "faults/env_errors": int(total("env_errors")),
                     "faults/stale_rows": int(total("stale_rows"))})
     return out
@@ -87,7 +88,7 @@ class EnvGroupPool:
                                      runtime_env={"env_vars": {
                                          "RAYGENT_FRAMEWORK_LOG_LEVEL": cfg.logging.framework_level}}).remote(
             cfg.env.name, cfg.env_kwargs, cfg.memory.name, cfg.memory.kwargs, self.model_path, self.policy,
-            cfg.policy.max_model_len, self.retriever, cfg.rollout.policy_timeout_s)
+            cfg.policy.max_model_len, self.retriever, cfg.rollout.policy_timeout_s, cfg.agent_loop)
 
     async def _revive(self, k: int) -> None:
         """Wait for Ray to restart actor `k` (max_restarts=-1); replace it if it cannot come back. One revival per

@@ -402,7 +402,8 @@ def train_loop_per_worker(cfg: dict[str, Any]) -> None:
                 losses.append(sft_step(model, optimizer, sft_data["prompt_ids"], sft_data["response_ids"], rows,
                                        lr=task["lr"], micro_batch_size=optim.micro_batch_size,
                                        grad_clip=optim.grad_clip, pad_id=pad_id, device=device,
-                                       collective=collective, autocast_dtype=autocast_dtype)["sft_loss"])
+                                       collective=collective, autocast_dtype=autocast_dtype,
+                                       loss_masks=sft_data.get("loss_mask"))["sft_loss"])
             metrics = {"sft_loss": float(np.mean(losses))}
         elif kind == "send_weights":  # the collective path: this version's weights to the replicas' group
             metrics = send_model_weights(model, strategy, cfg["weights_dtype"], cfg["weights_bucket_bytes"], rank,

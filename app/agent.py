@@ -37,6 +37,7 @@ import envs
 import memory
 from actors.checkpoint import read_agent_card
 from actors.config import AgentCard, format_config_error
+from actors.conversation import STEP, chat_deltas
 from actors.episodes import Decision, PromptTooLong, StepRecord, Turn, play, policy_decider
 from actors.prompting import encode_prompt
 from actors.retrieval import attach_retriever
@@ -74,6 +75,7 @@ class _Session:
     results: asyncio.Queue | None = None
     last_turn: tuple[str, list[str]] | None = None  # the prompt and admissible actions of the turn being decided
     over: bool = False
+    decider: Any = None  # a conversation-mode agent's policy for the whole episode (it holds the conversation)
     # the router's key (`app.routing`): every step of the session reaches one replica, whose prefix cache holds it
     affinity: int = field(default_factory=lambda: secrets.randbits(31))
 
@@ -109,9 +111,11 @@ class AgentAPI(OpenAIRoutes):
     # ---- the agent: its env, memory and sampling ---------------------------------------------------------------
     @fastapi_app.get("/v1/agent", responses=GET_ERRORS)
     async def agent(self) -> dict[str, Any]:
-        """The agent card of the served model folder (null for a model without one) and what requests may set."""
+        """The agent card of the served model folder (null for a model without one), what requests may set, and how
+        tools reach the model's chat template ("native" `tools=`, or "hermes" written out: actors/tool_chat.py)."""
         return {"model": self.model_name, "card": self.card.model_dump() if self.card else None,
-                "allowed_envs": self.allowed_envs, "allowed_env_kwargs": self.config.allowed_env_kwargs}
+                "allowed_envs": self.allowed_envs, "allowed_env_kwargs": self.config.allowed_env_kwargs,
+                "tool_format": chat_deltas(self.tokenizer).tool_messages}
 
     def _env_name(self, requested: str | None) -> str:
         name = requested or (self.card.env.name if self.card else None)
@@ -155,6 +159,10 @@ class AgentAPI(OpenAIRoutes):
                               f"{self.config.max_tokens_limit}", "max_tokens")
         return {"temperature": temperature, "top_p": card.top_p if card else 1.0, "max_tokens": max_tokens}
 
+    @property
+    def _conversation(self) -> bool:
+        return self.card is not None and self.card.loop.kind == "conversation"
+
     def _decider(self, sampling: dict[str, Any], sampling_seed: int | None, affinity: int):
         """The policy for one episode or session: all its steps carry one router key (`affinity`), so they reach
         the replica that has their earlier prompts cached."""
@@ -163,7 +171,7 @@ class AgentAPI(OpenAIRoutes):
             return (await self._generate([prompt], params, affinity))[0]
 
         return policy_decider(self.tokenizer, generate_one, sampling, max_model_len=self.config.policy.max_model_len,
-                              sampling_seed=sampling_seed)
+                              sampling_seed=sampling_seed, loop=self.card.loop if self.card else STEP)
 
     @staticmethod
     def _step_json(s: StepRecord, tokens: bool) -> dict[str, Any]:
@@ -221,6 +229,13 @@ class AgentAPI(OpenAIRoutes):
             # what the agent is shown now (the env moves on after this step)
             session.last_turn = (turn.prompt_text, list(turn.info["admissible_actions"]))
             req: ActRequest = await session.requests.get()
+            if self._conversation:
+                if req.reply is not None:
+                    raise BadRequest("this agent was trained in conversation mode: it writes every reply of the "
+                                     "conversation itself (leave out `reply`)", "reply")
+                if session.decider is None:  # one conversation per episode, sampled as its first request asks
+                    session.decider = self._decider(self._agent_sampling(req), req.sampling_seed, session.affinity)
+                return await session.decider(turn)
             if req.reply is not None:
                 prompt = encode_prompt(self.tokenizer, turn.env, turn.observation, turn.memory.render())
                 return Decision(req.reply, prompt_ids=prompt)
@@ -263,6 +278,9 @@ class AgentAPI(OpenAIRoutes):
     async def _act_client_side(self, sid: str, s: _Session, req: ActRequest) -> dict[str, Any]:
         if req.observation is None:
             raise BadRequest(f"session {sid} acts on the client's env: send its observation", "observation")
+        if self._conversation:
+            raise BadRequest("this agent was trained in conversation mode: start its session with a seed (the server "
+                             "runs the env and keeps the conversation)", "observation")
         if s.pending is not None:  # the previous step's reward is known now: store it as training did
             s.memory.store(s.pending[0], s.pending[1], req.reward, req.info)
         if req.admissible_actions is not None:

@@ -72,7 +72,7 @@ def evaluate_checkpoint(model: str, *, splits: list[str] | None = None, n_seeds:
         results = run_sync(play_heldout(
             lambda i, split=split: card.make_env(**available[split]), card.make_memory, llm.tokenizer,
             coalescer.generate, seeds, samples=samples, sampling=sampling, max_model_len=context,
-            run_seed=run_seed, max_steps=max_steps, on_episode=lambda *_, bar=bar: bar.update(1)))
+            run_seed=run_seed, max_steps=max_steps, on_episode=lambda *_, bar=bar: bar.update(1), loop=card.loop))
         bar.close()
         report["splits"][split] = {"summary": summarize(results), "episodes": results}
     report["seconds"] = time.perf_counter() - started

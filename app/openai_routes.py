@@ -1,5 +1,5 @@
 """The agent endpoint's OpenAI-compatible routes: `GET /v1/models`, `POST /v1/chat/completions` (log-probs,
-streaming) and `POST /v1/completions`, as a part of the AgentAPI ingress (app/agent.py): the policy replicas behind
+streaming, tools and tool calls: `actors.tool_chat`) and `POST /v1/completions`, as a part of the AgentAPI ingress (app/agent.py): the policy replicas behind
 the one name the server serves."""
 
 from __future__ import annotations
@@ -7,10 +7,12 @@ from __future__ import annotations
 import json
 import time
 import uuid
+import zlib
 from typing import Any
 
 from fastapi.responses import StreamingResponse
 
+from actors.tool_chat import encode_tool_chat, parse_tool_calls
 from app.agent_http import (
     GET_ERRORS,
     STREAMABLE,
@@ -31,19 +33,39 @@ def _sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
-async def _chat_stream(rid: str, created: int, model: str, choices: list[dict], usage: dict):
+async def chat_stream(rid: str, created: int, model: str, choices: list[dict], usage: dict):
     """Server-sent events in the OpenAI chunk format. The reply is produced by one batched engine call and then
-    sent as a role chunk, a content chunk and a finish chunk per choice."""
+    sent as a role chunk, a content chunk, one chunk per tool call and a finish chunk per choice."""
     base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
     for c in choices:
         yield _sse({**base, "choices": [{"index": c["index"], "delta": {"role": "assistant", "content": ""},
                                          "finish_reason": None}]})
-        delta = {"index": c["index"], "delta": {"content": c["message"]["content"]}, "finish_reason": None}
-        if c["logprobs"] is not None:
-            delta["logprobs"] = c["logprobs"]
-        yield _sse({**base, "choices": [delta]})
+        if c["message"]["content"] is not None or c["logprobs"] is not None:
+            delta = {"index": c["index"], "delta": {"content": c["message"]["content"] or ""}, "finish_reason": None}
+            if c["logprobs"] is not None:
+                delta["logprobs"] = c["logprobs"]
+            yield _sse({**base, "choices": [delta]})
+        for k, call in enumerate(c["message"].get("tool_calls") or []):
+            yield _sse({**base, "choices": [{"index": c["index"], "delta": {"tool_calls": [{"index": k, **call}]},
+                                             "finish_reason": None}]})
         yield _sse({**base, "choices": [{"index": c["index"], "delta": {}, "finish_reason": c["finish_reason"]}]})
     yield "data: [DONE]\n\n"
+
+
+def chat_choice(index: int, reply: dict[str, Any], tool_names: set[str], token_strings: list[str] | None
+                ) -> dict[str, Any]:
+    """One choice of a chat completion from a Policy reply: its tool calls of the offered tools (finish_reason
+    "tool_calls") and the rest of the text as the content; log-probs per token when `token_strings` are given."""
+    content, calls = parse_tool_calls(reply["text"], tool_names) if tool_names else (reply["text"], [])
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = calls
+    choice: dict[str, Any] = {"index": index, "message": message, "logprobs": None,
+                              "finish_reason": "tool_calls" if calls else reply["finish_reason"]}
+    if token_strings is not None:
+        choice["logprobs"] = {"content": [{"token": s, "logprob": lp, "bytes": list(s.encode()), "top_logprobs": []}
+                                          for s, lp in zip(token_strings, reply["logprobs"], strict=False)]}
+    return choice
 
 
 async def _completion_stream(rid: str, created: int, model: str, choices: list[dict]):
@@ -97,25 +119,40 @@ class OpenAIRoutes:
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
                                             "owned_by": "raygent"}]}
 
+    def _chat_prompt(self, req: ChatCompletionRequest) -> tuple[list[dict[str, Any]] | list[int], set[str]]:
+        """The prompt the Policy gets (the messages, which it renders, or token ids where tools are involved) and
+        the names of the tools a reply may call."""
+        messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        uses_tools = req.tools or any(m["role"] == "tool" or m.get("tool_calls") for m in messages)
+        if not uses_tools:
+            return [{"role": m["role"], "content": m.get("content", "")} for m in messages], set()
+        tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
+        choice = req.tool_choice.model_dump() if hasattr(req.tool_choice, "model_dump") else req.tool_choice
+        try:
+            ids, _ = encode_tool_chat(self.tokenizer, messages, tools, choice or "auto")
+        except ValueError as e:
+            raise BadRequest(str(e), "messages") from e
+        return ids, set() if choice == "none" else {t["function"]["name"] for t in tools}
+
+    @staticmethod
+    def _conversation_key(req: ChatCompletionRequest) -> int:
+        """The router key of a conversation: its first two messages, which every later request of it repeats, so
+        all its turns reach the replica whose prefix cache holds it (`app.routing`)."""
+        head = json.dumps([m.model_dump(exclude_none=True) for m in req.messages[:2]], sort_keys=True)
+        return zlib.crc32(head.encode()) & 0x7FFFFFFF
+
     @fastapi_app.post("/v1/chat/completions", responses=STREAMABLE)
     async def chat_completions(self, req: ChatCompletionRequest):
         self._check_model(req.model)
         sampling = self._sampling(req, req.max_completion_tokens or req.max_tokens)
-        messages = [m.model_dump() for m in req.messages]
-        replies = await self._generate([messages] * req.n, sampling)
+        prompt, tool_names = self._chat_prompt(req)
+        replies = await self._generate([prompt] * req.n, sampling, affinity=self._conversation_key(req))
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        choices = []
-        for i, r in enumerate(replies):
-            choice: dict[str, Any] = {"index": i, "message": {"role": "assistant", "content": r["text"]},
-                                      "finish_reason": r["finish_reason"], "logprobs": None}
-            if req.logprobs:
-                choice["logprobs"] = {"content": [
-                    {"token": s, "logprob": lp, "bytes": list(s.encode()), "top_logprobs": []}
-                    for s, lp in zip(self._token_strings(r["token_ids"]), r["logprobs"], strict=False)]}
-            choices.append(choice)
+        choices = [chat_choice(i, r, tool_names, self._token_strings(r["token_ids"]) if req.logprobs else None)
+                   for i, r in enumerate(replies)]
         usage = _usage(replies)
         if req.stream:
-            return StreamingResponse(_chat_stream(rid, created, self.model_name, choices, usage),
+            return StreamingResponse(chat_stream(rid, created, self.model_name, choices, usage),
                                      media_type="text/event-stream")
         return {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name,
                 "choices": choices, "usage": usage, "system_fingerprint": f"v{replies[0]['weight_version']}"}

@@ -124,7 +124,7 @@ def evaluate(model: Any, tokenizer: Any, cfg: TrainConfig, seeds: Sequence[int],
         results = run_sync(play_heldout(
             lambda i: envs.make(cfg.env.name, **val_kwargs), lambda: memory.make(cfg.memory.name, **cfg.memory.kwargs),
             tokenizer, coalescer.generate, seeds, samples=cfg.validation.samples, sampling=sampling,
-            max_model_len=cfg.policy.max_model_len, run_seed=cfg.seed))
+            max_model_len=cfg.policy.max_model_len, run_seed=cfg.seed, loop=cfg.agent_loop))
     finally:
         if was_training:
             model.train()
@@ -188,13 +188,13 @@ def train_sft(cfg: TrainConfig, out: str | Path | None = None, device: str = "au
     # The same demonstrations as the training app's warm start: its seeds, split over the env-group actors as the
     # controller splits them, actor k's player seeded cfg.seed + k.
     t0 = time.perf_counter()
-    prompts: list[list[int]] = []
-    responses: list[list[int]] = []
+    demos: dict[str, list[list[int]]] = {}
     for seeds, rng_seed in demo_players(cfg.seed, ws.demo_seeds, cfg.rollout.num_env_actors):
-        p, r = make_demonstrations(tokenizer, cfg.env.name, cfg.env_kwargs, cfg.memory.name, cfg.memory.kwargs,
-                                   seeds, ws.expert_prob, rng_seed)
-        prompts += p
-        responses += r
+        part = make_demonstrations(tokenizer, cfg.env.name, cfg.env_kwargs, cfg.memory.name, cfg.memory.kwargs,
+                                   seeds, ws.expert_prob, rng_seed, loop=cfg.agent_loop)
+        for key, rows in part.items():
+            demos.setdefault(key, []).extend(rows)
+    prompts, responses = demos.get("prompt_ids", []), demos.get("response_ids", [])
     if not prompts:
         raise ValueError(f"env {cfg.env.name!r} gave no demonstrations (its expert_action() returned None at once)")
     demo_s = time.perf_counter() - t0
@@ -216,7 +216,7 @@ def train_sft(cfg: TrainConfig, out: str | Path | None = None, device: str = "au
         for _ in range(chunk):
             idx = rng.choice(n, size=min(ws.batch_size, n), replace=False)
             step = sft_step(model, optimizer, prompts, responses, idx, lr=ws.lr, micro_batch_size=optim.micro_batch_size,
-                            grad_clip=optim.grad_clip, pad_id=pad_id, device=dev)
+                            grad_clip=optim.grad_clip, pad_id=pad_id, device=dev, loss_masks=demos.get("loss_mask"))
             if first_loss is None:
                 first_loss = step["sft_loss"]
             metrics.append(step["sft_loss"])

@@ -80,9 +80,9 @@ def main() -> None:
     path = resolve_model(cfg.policy.model)
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    prompts, replies = make_demonstrations(tokenizer, cfg.env.name, cfg.env_kwargs, cfg.memory.name,
-                                           cfg.memory.kwargs, range(200), cfg.warm_start.expert_prob, cfg.seed)
-    prompts, replies = prompts[:args.rows], replies[:args.rows]
+    demos = make_demonstrations(tokenizer, cfg.env.name, cfg.env_kwargs, cfg.memory.name, cfg.memory.kwargs,
+                                range(200), cfg.warm_start.expert_prob, cfg.seed)
+    prompts, replies = demos["prompt_ids"][:args.rows], demos["response_ids"][:args.rows]
     # Interleaved, so that both see the same machine load.
     full, reply_only = [], []
     for _ in range(2):

@@ -23,6 +23,10 @@ Writes benchmarks/results/bench_weight_sync.json.
     python benchmarks/bench_weight_sync.py --variants bucketed_float32 adapter_float32 --out bench_weight_sync_lora
     python benchmarks/bench_weight_sync.py --variants bucketed_float32 gloo_float32 bucketed_bfloat16 gloo_bfloat16 \
         --out bench_weight_sync_gloo
+    python benchmarks/bench_weight_sync.py --sizes smollm2-135m --variants bucketed_float32 gloo_float32 \
+        bucketed_bfloat16 gloo_bfloat16 adapter_float32 --out bench_weight_sync_smollm2-135m
+Every run also times the floor: the first variant's bytes put once and copied by 2 plain actors (`raw_copy`), and
+each variant's ratio to it.
 """
 
 from __future__ import annotations
@@ -59,13 +63,14 @@ def main() -> None:
     parser.add_argument("--out", default="bench_weight_sync", help="the results file's name, under results/")
     args = parser.parse_args()
 
+    import numpy as np
     import ray
     import torch
 
     from actors.config import LoraConfig
     from actors.lora import write_adapter
     from actors.trainer import pack_model_weights
-    from app.default_model import build_default_model
+    from app.default_model import build_default_model, resolve_model
     from app.engines import make_engine
     from benchmarks.bench_policy import BROADCAST_MODELS
     from benchmarks.serve_process import free_port
@@ -116,6 +121,16 @@ def main() -> None:
                                           adapter_only=variant == "adapter")
             self.kept = sent
             return {"sent": sent, "seconds": time.perf_counter() - started, "peak_added_mib": peak_mib() - before}
+
+    @ray.remote(num_cpus=0.5)
+    class RawReceiver:
+        """The floor: a plain copy of the same bytes out of the object store, no model, no engine."""
+
+        def take(self, refs: list[Any]) -> float:
+            started = time.perf_counter()
+            copies = [np.array(x, copy=True) for x in ray.get(refs)]
+            del copies
+            return time.perf_counter() - started
 
     @ray.remote(num_cpus=0.5)
     class Receiver:
@@ -172,7 +187,8 @@ def main() -> None:
     results: dict[str, Any] = {"bucket_mb": args.bucket_mb, "repeats": args.repeats, "receivers": 2,
                                "engine": "vllm", "machine_cpus": os.cpu_count()}
     for size in args.sizes:
-        model_path = str(build_default_model(BROADCAST_MODELS[size]))
+        model_path = str(build_default_model(BROADCAST_MODELS[size])) if size in BROADCAST_MODELS \
+            else resolve_model(size)  # a built-in model by name, e.g. smollm2-135m
         out: dict[str, Any] = {}
         params = 0
         for name in args.variants:
@@ -212,6 +228,20 @@ def main() -> None:
                   f" MiB, receiver +{out[name]['receiver_peak_added_mib']:.0f} MiB", flush=True)
             for actor in [*ranks, *receivers]:
                 ray.kill(actor)
+        # the floor: the first variant's bytes put once and copied by 2 receivers (median of repeats)
+        raw_receivers = [RawReceiver.remote() for _ in range(2)]
+        blob_bytes, raw = out[args.variants[0]]["bytes"], []
+        for _ in range(args.repeats + 1):
+            started = time.perf_counter()
+            refs = [ray.put(np.ones(blob_bytes, dtype=np.uint8))]
+            ray.get([r.take.remote(refs) for r in raw_receivers])
+            raw.append(time.perf_counter() - started)
+            del refs
+        out["raw_copy"] = {"sync_s": statistics.median(raw[1:]), "bytes": blob_bytes}
+        for name in args.variants:
+            out[name]["sync_s_ratio_to_raw_copy"] = out[name]["sync_s"] / out["raw_copy"]["sync_s"]
+        print(f"[{size}] raw copy of {blob_bytes / 2**20:.0f} MiB to 2 receivers: {out['raw_copy']['sync_s']:.2f} s",
+              flush=True)
         # ratios to the first variant of the run (the previous way, or the full weights beside an adapter)
         first = out[args.variants[0]]
         for name in args.variants[1:]:

@@ -99,6 +99,9 @@ class TextEnv(gym.Env[str, str]):
         "Reply with your chosen action inside <action></action>, e.g. <action>{example}</action>"
     )
     memory_template: ClassVar[str] = "Recent history:\n{memory}\n"
+    # Conversation mode (actors/conversation.py): the first user message is `build_prompt`; each later observation
+    # is one more message, in this shape (the task and the reply format are already in the conversation).
+    followup_template: ClassVar[str] = "Current state:\n{observation}\nAdmissible actions: {actions}"
 
     def __init__(self, max_steps: int | None = None, max_obs_chars: int = 1024, max_reply_chars: int = 1024):
         if max_steps is not None:
@@ -185,6 +188,12 @@ class TextEnv(gym.Env[str, str]):
             actions=", ".join(self.admissible_actions()),
             example=self.example_action,
         )
+
+    def followup_messages(self, observation: str, info: dict[str, Any]) -> list[dict[str, str]]:
+        """Conversation mode: the messages that answer the agent's last reply (`info` is that step's info). A
+        `user` message with the new state here; envs whose step ran a tool answer with a `tool` message."""
+        return [{"role": "user", "content": self.followup_template.format(
+            observation=observation, actions=", ".join(self.admissible_actions()))}]
 
     def _info(self, action: str | None, valid: bool, key_event: str | None) -> dict[str, Any]:
         info: dict[str, Any] = {

@@ -3,7 +3,8 @@
 Each turn the reply holds either a tool call, ``<tool_call>{"name": "calculator", "arguments": {"expression":
 "3 * 4"}}</tool_call>`` (its result, or its error, becomes the next observation), or the final ``<answer>N</answer>``
 (ends the episode: reward 1.0 and `won` when N equals the answer, else 0). Problems are generated here (GSM8K-like,
-2-4 operations, whole-number answers) or loaded from a GSM8K-format JSONL file (`data=`).
+2-4 operations, whole-number answers) or loaded from a task file (`data=`: GSM8K rows or verl's task rows, JSONL or
+Parquet, a local path or a storage URI; `envs.data.arithmetic.write_tasks` writes the generated set as one).
 
 What counts as invalid (nothing moves, `invalid_reward`): no <tool_call> or <answer> tag, a tool call that is not a
 JSON object with a "name", or an answer without a number. A call the tool refuses (unknown tool, arguments that fail
@@ -18,7 +19,7 @@ from typing import Any
 
 from envs.base import Outcome, TextEnv, split_pool
 from envs.data import clip, squash, to_charset
-from envs.data.arithmetic import Problem, generate_problem, load_gsm8k, parse_number
+from envs.data.arithmetic import Problem, generate_problem, load_problems, parse_number
 from envs.tools import Tool, ToolCall, ToolError, ToolRegistry, find_tagged, parse_call, render_call
 
 TAGS = ("tool_call", "answer")
@@ -26,7 +27,7 @@ TAGS = ("tool_call", "answer")
 
 @functools.lru_cache(maxsize=4)
 def _problems(path: str) -> list[Problem]:
-    return load_gsm8k(path)
+    return load_problems(path)
 
 
 class MathTool(TextEnv):
@@ -62,6 +63,7 @@ class MathTool(TextEnv):
         self._last: str | None = None
         self._last_ok = False  # the last tool call succeeded (the expert then answers)
         self._tool_error = False
+        self._tool_output: str | None = None  # this step's tool result or error (a `tool` message in conversations)
 
     def _new_episode(self, options: dict[str, Any] | None) -> None:
         if self.data:
@@ -116,13 +118,29 @@ class MathTool(TextEnv):
         name = result.call.name if result.call else "tool"
         output = clip(to_charset(result.output), self.max_output_chars)
         self._last = f"Tool {squash(name)} returned: {output}" if result.ok else f"Tool {squash(name)} failed: {output}"
+        self._tool_output = output  # a failure reads "Error: ..."
         return Outcome(0.0)
 
     def step(self, reply: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
-        self._tool_error = False
+        self._tool_error, self._tool_output = False, None
         obs, reward, terminated, truncated, info = super().step(reply)
+        found = find_tagged(reply, TAGS) if not info["is_action_valid"] else None
+        if found is not None and found[0] == "tool_call":  # a call that does not parse: still an invalid step
+            try:
+                parse_call(found[1])
+            except ToolError as e:
+                self._tool_output = f"Error: {e}"
         info["tool_error"] = self._tool_error
+        info["tool_output"] = self._tool_output
         return obs, reward, terminated, truncated, info
+
+    def followup_messages(self, observation: str, info: dict[str, Any]) -> list[dict[str, str]]:
+        """A tool's result (or its error) as a `tool` message; after a reply that was neither a tool call nor an
+        answer, a `user` message with the state and the reply format again."""
+        if info.get("tool_output") is not None:
+            return [{"role": "tool", "content": info["tool_output"]}]
+        return [{"role": "user", "content": f"{observation}\nReply with one tool call <tool_call>{{...}}</tool_call> "
+                                            "or the final answer <answer>number</answer>."}]
 
     def expert_action(self) -> str | None:
         """Ask the calculator for the solving expression (generated problems carry it) until it answers, then

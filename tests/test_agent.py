@@ -70,6 +70,32 @@ def test_openai_client_models_chat_and_completions(openai_client):
     assert len(completion.choices[0].logprobs.token_logprobs) == completion.usage.completion_tokens
 
 
+def test_openai_client_sends_tools_tool_calls_and_tool_results(openai_client, client):
+    """A chat that offers a tool and carries an assistant tool call (content null) and the tool's result: the
+    route renders it (hermes, the tiny model's template reads no tools) and answers in OpenAI's format, whole and
+    streamed; whatever the untrained model writes, a reply is either content or calls of the offered tool."""
+    name = openai_client.models.list().data[0].id
+    assert client.get("/v1/agent").json()["tool_format"] == "hermes"  # the tiny model's template reads no tools
+    tools = [{"type": "function", "function": {"name": "calculator", "description": "Evaluate arithmetic.",
+                                               "parameters": {"type": "object", "properties": {
+                                                   "expression": {"type": "string"}}}}}]
+    messages = [{"role": "user", "content": "What is 12 * 7?"},
+                {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                    "name": "calculator", "arguments": json.dumps({"expression": "12 * 7"})}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "84"}]
+    for choice in ("auto", {"type": "function", "function": {"name": "calculator"}}):
+        chat = openai_client.chat.completions.create(model=name, messages=messages, tools=tools, tool_choice=choice,
+                                                     max_tokens=8, temperature=0.0)
+        c = chat.choices[0]
+        assert c.finish_reason in ("stop", "length", "tool_calls")
+        assert (c.finish_reason == "tool_calls") == bool(c.message.tool_calls)
+        assert all(t.function.name == "calculator" for t in c.message.tool_calls or [])
+    stream = openai_client.chat.completions.create(model=name, messages=messages, tools=tools, max_tokens=8,
+                                                   temperature=0.0, stream=True)
+    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    assert streamed == (c.message.content or "") or c.message.tool_calls
+
+
 def test_concurrent_http_requests(openai_client):
     def ask(i: int) -> str:
         r = openai_client.chat.completions.create(model=openai_client.models.list().data[0].id,
@@ -173,6 +199,16 @@ BAD_REQUESTS = [
         {"model": "gpt-5", "messages": [{"role": "user", "content": "x"}]}).encode(), 404, "unknown model"),
     ("POST", "/v1/chat/completions", {}, json.dumps(
         {"messages": [{"role": "user", "content": "word " * 3000}]}).encode(), 400, "max_model_len"),
+    ("POST", "/v1/chat/completions", {}, json.dumps({"messages": [{"role": "user", "content": None}]}).encode(),
+     400, "needs content"),
+    ("POST", "/v1/chat/completions", {}, json.dumps({"messages": [{"role": "user", "content": "x"}], "tools": [
+        {"type": "function", "function": {"name": "calculator"}}], "tool_choice": {
+            "type": "function", "function": {"name": "search"}}}).encode(), 400, "not among the request's tools"),
+    ("POST", "/v1/chat/completions", {}, json.dumps({"messages": [
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {
+            "name": "calculator", "arguments": "{not json"}}]}, {"role": "tool", "content": "1"}],
+        "tools": [{"type": "function", "function": {"name": "calculator"}}]}).encode(), 400, "not valid JSON"),
     ("POST", "/v1/completions", {}, json.dumps({"prompt": ""}).encode(), 400, "prompt"),
     # found by schemathesis: an empty stop string reached vLLM's SamplingParams and came back a 500
     ("POST", "/v1/completions", {}, json.dumps({"prompt": "x", "stop": ["a", ""]}).encode(), 400, "stop"),

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from pydantic import BaseModel
 
 import envs
-from envs.data.arithmetic import load_gsm8k, parse_number
+from envs.data.arithmetic import load_problems, parse_number
 from envs.math_tool import MathTool
 from envs.retrieval import BM25Retriever
 from envs.tools import (
@@ -185,7 +185,7 @@ def test_gsm8k_loader(tmp_path) -> None:
     rows = [{"question": "Tom has 3 apples and buys 4 more. How many?", "answer": "3 + 4 = <<3+4=7>>7\n#### 7"},
             {"question": "A shop sells 1,200 pens a day. How many in 2 days?", "answer": "2 * 1200 = 2400\n#### 2,400"}]
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    problems = load_gsm8k(path)
+    problems = load_problems(path)
     assert [p.answer for p in problems] == [7, 2400] and problems[0].expression == ""
     env = MathTool(data=str(path))
     obs, _ = env.reset(seed=0)
@@ -195,7 +195,7 @@ def test_gsm8k_loader(tmp_path) -> None:
     assert reward == 1.0
     (tmp_path / "bad.jsonl").write_text('{"question": "q", "answer": "no final line"}\n')
     with pytest.raises(ValueError, match="####"):
-        load_gsm8k(tmp_path / "bad.jsonl")
+        load_problems(tmp_path / "bad.jsonl")
     assert parse_number("$1,234.50") == 1234.5 and parse_number("none") is None
 
 
@@ -216,3 +216,34 @@ def test_step_never_raises(replies: list[str]) -> None:
             assert info["anchor"] == anchor
         if terminated or truncated:
             break
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
+def test_a_verl_task_file_of_the_generated_set_plays(tmp_path, suffix) -> None:
+    """The generated problems written as verl task rows (chat prompt, reward_model.ground_truth, extra_info with
+    the solving expression), read back from a local path and a file:// URI: the env plays them, its expert wins,
+    and the train and test files share no problem."""
+    from envs.data.arithmetic import read_rows, write_tasks
+
+    train = write_tasks(tmp_path / f"train{suffix}", 40, "train")
+    test = write_tasks(tmp_path / f"test{suffix}", 40, "test")
+    rows = read_rows(train)
+    assert rows[0]["prompt"][0]["role"] == "user" and rows[0]["reward_model"]["ground_truth"].isdigit()
+    problems = load_problems(train)
+    assert problems == load_problems(f"file://{train}") and len(problems) == 40
+    assert {p.question for p in problems}.isdisjoint({p.question for p in load_problems(test)})
+    assert all(p.expression for p in problems)
+    env = MathTool(data=str(train), split="all")
+    obs, _ = env.reset(seed=5)
+    assert obs == f"Question: {env.problem.question}"
+    for _ in range(3):
+        obs, reward, terminated, _, info = env.step(env.expert_action())
+        if terminated:
+            break
+    assert terminated and reward == 1.0 and info["won"]
+    bad = tmp_path / f"bad{suffix}"
+    write_tasks(bad, 1)
+    if suffix == ".jsonl":
+        bad.write_text(json.dumps({"prompt": [{"role": "user", "content": "q"}], "reward_model": {}}) + "\n")
+        with pytest.raises(ValueError, match="ground_truth"):
+            load_problems(bad)

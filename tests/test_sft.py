@@ -64,13 +64,14 @@ def test_demonstrations_are_what_the_env_group_actor_encodes(tiny_model):
             if terminated or truncated:
                 break
 
-    prompts, labels = make_demonstrations(tok, "sokoban", ENV_KWARGS, mem_name, mem_kwargs, seeds, expert_prob,
-                                          rng_seed)
+    demos = make_demonstrations(tok, "sokoban", ENV_KWARGS, mem_name, mem_kwargs, seeds, expert_prob, rng_seed)
+    prompts, labels = demos["prompt_ids"], demos["response_ids"]
+    assert set(demos) == {"prompt_ids", "response_ids"}  # step rows: every reply token is a target
     assert prompts == want_prompts and labels == want_labels
     assert took_random > 0 and len(prompts) > len(seeds)  # off-expert states are in there
     # Deterministic, and the actor method (the training app's warm start) returns exactly these rows.
     assert make_demonstrations(tok, "sokoban", ENV_KWARGS, mem_name, mem_kwargs, seeds, expert_prob,
-                               rng_seed) == (prompts, labels)
+                               rng_seed) == demos
     table, meta = asyncio.run(actor.demonstrations(seeds, expert_prob, rng_seed))
     assert table["prompt_ids"].to_pylist() == prompts and table["response_ids"].to_pylist() == labels
     assert meta == {"rows": len(prompts), "episodes": len(seeds)}

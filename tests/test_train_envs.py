@@ -16,7 +16,7 @@ from tests.serve_helpers import ServeRun, get_history, get_status, training_conf
 
 pytestmark = pytest.mark.slow
 
-AGENT_ENVS = ("alfworld", "webshop", "search", "math_tool")
+AGENT_ENVS = ("alfworld", "webshop", "search", "math_tool", "math_tool_conversation")
 
 
 def _delete_train_app() -> None:
@@ -70,3 +70,16 @@ def test_cpu_smoke_config_trains(env, ray_cluster, serve_url, tmp_path):
         warm = [r for r in history if r.get("phase") == "warm_start"]
         assert warm and all(_finite(r.get("warm_start/sft_loss")) for r in warm), warm
     assert status["last_checkpoint"].endswith("iter_000001"), status
+    if args["rollout"].get("agent_loop", "step") != "step":
+        _check_conversation_run(train[-1], status, args)
+
+
+def _check_conversation_run(record, status, args):
+    """One row per conversation (not per step), only the model's tokens trained, and a checkpoint whose agent card
+    plays it as a conversation."""
+    from actors.checkpoint import read_agent_card
+
+    assert record["data/rows"] <= record["train/episodes"] < record["train/episode_length"] * record["train/episodes"]
+    assert record["perf/prompt_tokens_per_step"] > 0 and "train/token_budget_endings" in record, record
+    card = read_agent_card(status["last_checkpoint"] + "/model")
+    assert card.agent_loop == "conversation" and card.conversation_tokens == args["rollout"]["conversation_tokens"]

@@ -24,6 +24,7 @@ from tests.update_helpers import (
     fsdp_rank,
     gradient_of,
     load_model,
+    make_conversation_rows,
     make_rows,
     rel_error,
     take,
@@ -46,11 +47,12 @@ def _case(mode: str, **extra):
             "clip_low": 0.1, "clip_high": 0.1, **extra}
 
 
+@pytest.mark.parametrize("kind", ["steps", "conversations"])
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
-def test_gradient_does_not_depend_on_micro_batch_size(folders, mode):
+def test_gradient_does_not_depend_on_micro_batch_size(folders, mode, kind):
     policy, reference = folders
     model, ref = load_model(policy), load_model(reference).eval()
-    rows = make_rows(N_ROWS, seed=1)
+    rows = (make_rows if kind == "steps" else make_conversation_rows)(N_ROWS, seed=1)
     whole, metrics = gradient_of(model, ref, rows, {**_case(mode), "micro_batch_size": N_ROWS})
     assert metrics["clip_frac"] > 0 and metrics["kl"] > 0
     for size in (1, 3):
@@ -63,9 +65,10 @@ def test_gradient_does_not_depend_on_micro_batch_size(folders, mode):
 @pytest.mark.slow
 def test_two_fsdp2_ranks_compute_the_single_process_gradient(folders, tmp_path):
     """7 rows on rank 0 and 6 on rank 1 (micro-batches of 2: 4 against 3, so rank 1 runs a zero-weight one): the
-    sharded update's gradient, loss and token-weighted metrics are those of one process over all 13 rows."""
+    sharded update's gradient, loss and token-weighted metrics are those of one process over all 13 rows, with
+    conversation rows (env tokens masked out) among them."""
     policy, reference = folders
-    rows = make_rows(N_ROWS, seed=2)
+    rows = make_conversation_rows(N_ROWS, seed=2)  # masked multi-turn rows and one-turn rows (step rows) mixed
     splits = [list(range(7)), list(range(7, N_ROWS))]
     cases = [{"optim": {**_case(m), "micro_batch_size": 2}} for m in LOSS_AGG_MODES]
     cases.append({"optim": {"loss_agg_mode": "token-mean", "kl_coef": 0.1, "old_logprobs": "recompute",
@@ -236,3 +239,29 @@ def test_rows_that_do_not_divide_by_the_minibatch_all_train(folders):
     assert metrics["optimizer_steps"] == 3 and metrics["rows"] == N_ROWS
     assert metrics["tokens"] == sum(len(r) for r in rows["response_ids"])
     assert take(rows, [0])["prompt_ids"] == [rows["prompt_ids"][0]]
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_masked_tokens_of_a_conversation_take_no_part(folders, mode):
+    """The env's and tools' tokens between a conversation's turns (mask 0) change nothing when their rollout log-probs
+    and advantages change (loss, gradient, every statistic, the token count); unmasking one of them does."""
+    policy, reference = folders
+    model, ref = load_model(policy), load_model(reference).eval()
+    optim = {**_case(mode), "micro_batch_size": 4, "old_logprobs": "recompute", "rollout_correction": "tis"}
+    rows = make_conversation_rows(N_ROWS, seed=3)
+    grad, metrics = gradient_of(model, ref, rows, optim)
+    rng = np.random.default_rng(0)
+    noisy = {**rows, "rollout_logprobs": [[x if m else float(rng.normal(-3, 2)) for x, m in zip(lp, mask, strict=True)]
+                                          for lp, mask in zip(rows["rollout_logprobs"], rows["loss_mask"], strict=True)],
+             "token_advantages": [[a if m else float(rng.normal(0, 5)) for a, m in zip(adv, mask, strict=True)]
+                                  for adv, mask in zip(rows["token_advantages"], rows["loss_mask"], strict=True)]}
+    grad2, metrics2 = gradient_of(model, ref, noisy, optim)
+    assert rel_error(grad2, grad) <= TOLERANCE
+    for key in ("loss", "approx_kl", "clip_frac", "kl", "entropy", "tokens", "rollout_trainer_logprob_gap",
+                "rollout_is_weight_mean"):
+        assert metrics2[key] == pytest.approx(metrics[key], rel=1e-6, abs=1e-12), key
+    assert metrics["tokens"] == sum(sum(m) for m in rows["loss_mask"])
+    unmasked = {**noisy, "loss_mask": [list(m) for m in noisy["loss_mask"]]}
+    unmasked["loss_mask"][0][unmasked["loss_mask"][0].index(0)] = 1
+    grad3, metrics3 = gradient_of(model, ref, unmasked, optim)
+    assert rel_error(grad3, grad) > 1e-3 and metrics3["tokens"] == metrics["tokens"] + 1

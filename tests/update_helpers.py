@@ -46,6 +46,37 @@ def make_rows(n: int, seed: int = 0, perturb: float = 0.3) -> dict[str, list]:
     return {"prompt_ids": prompts, "response_ids": replies, "rollout_logprobs": logprobs, "advantage": advantages}
 
 
+def make_conversation_rows(n: int, seed: int = 0, perturb: float = 0.3) -> dict[str, list]:
+    """Conversation rows (actors/conversation.py): replies of 2-4 turns with env tokens between them (mask 0, log-prob
+    0, as the runner writes them), each turn its own advantage; every other row is a one-turn row (mask all 1), so
+    one batch mixes both kinds."""
+    rng = np.random.default_rng(seed)
+    rows: dict[str, list] = {k: [] for k in ("prompt_ids", "response_ids", "rollout_logprobs", "advantage",
+                                              "loss_mask", "token_advantages")}
+    for i in range(n):
+        turns = 1 if i % 2 else int(rng.integers(2, 5))
+        ids, mask, logp, adv = [], [], [], []
+        for t in range(turns):
+            if t:
+                env = int(rng.integers(1, 5))
+                ids += rng.integers(2, VOCAB, size=env).tolist()
+                mask += [0] * env
+                logp += [0.0] * env
+                adv += [0.0] * env
+            k, a = int(rng.integers(1, 5)), round(float(rng.standard_normal()), 3)
+            ids += rng.integers(2, VOCAB, size=k).tolist()
+            mask += [1] * k
+            logp += (-np.log(VOCAB) + perturb * rng.standard_normal(k)).tolist()
+            adv += [a] * k
+        rows["prompt_ids"].append(rng.integers(2, VOCAB, size=rng.integers(2, 8)).tolist())
+        rows["response_ids"].append(ids)
+        rows["rollout_logprobs"].append(logp)
+        rows["advantage"].append(float(np.mean([a for a, m in zip(adv, mask, strict=True) if m])))
+        rows["loss_mask"].append(mask)
+        rows["token_advantages"].append(adv)
+    return rows
+
+
 def take(rows: dict[str, list], idx) -> dict[str, list]:
     return {k: [v[i] for i in idx] for k, v in rows.items()}
 

@@ -1,12 +1,16 @@
 """Multi-step arithmetic word problems in the manner of GSM8K (2-4 operations, whole-number answers), generated from
-a seed, each with the expression that solves it; and the loader for GSM8K-format JSONL ("question", and "answer"
-ending in "#### N")."""
+a seed, each with the expression that solves it; the loader of task files (GSM8K rows, or verl's task rows: chat
+`prompt`, `reward_model.ground_truth`; JSONL or Parquet, local or a storage URI); and the writer of the generated set
+as verl task rows (`python -m envs.data.arithmetic tasks.parquet --n 1000 --split train`)."""
 
 from __future__ import annotations
 
+import json
 import re
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -80,15 +84,91 @@ def parse_number(text: str) -> float | None:
         return None
 
 
-def load_gsm8k(path: str | Path) -> list[Problem]:
-    """Problems of a GSM8K-format JSONL file: "question", and "answer" whose final line is "#### N"."""
-    out = []
-    for i, row in enumerate(read_jsonl(path)):
-        m = _FINAL.search(str(row.get("answer", "")))
-        if "question" not in row or m is None:
-            raise ValueError(f"{path}: row {i} needs 'question' and an 'answer' ending in '#### N'")
-        value = float(m.group(1).replace(",", ""))
-        out.append(Problem(str(row["question"]), int(value) if value.is_integer() else value))  # type: ignore[arg-type]
+def read_rows(path: str | Path) -> list[dict[str, Any]]:
+    """The rows of a task file: JSON lines, or Parquet (`.parquet`), at a local path or a storage URI (s3://,
+    gs://, ... through pyarrow.fs)."""
+    import pyarrow.fs
+    import pyarrow.parquet as pq
+
+    text = str(path)
+    fs, where = pyarrow.fs.FileSystem.from_uri(text) if "://" in text else (pyarrow.fs.LocalFileSystem(),
+                                                                           str(Path(text).resolve()))
+    if text.endswith(".parquet"):
+        return pq.read_table(where, filesystem=fs).to_pylist()
+    if isinstance(fs, pyarrow.fs.LocalFileSystem):
+        return list(read_jsonl(where))
+    with tempfile.NamedTemporaryFile(suffix=".jsonl") as tmp:
+        with fs.open_input_stream(where) as src:
+            tmp.write(src.read())
+        tmp.flush()
+        return list(read_jsonl(tmp.name))
+
+
+def _number(value: Any) -> int | float:
+    value = float(str(value).replace(",", ""))
+    return int(value) if value.is_integer() else value
+
+
+def _problem(row: dict[str, Any], where: str) -> Problem:
+    """A problem from a GSM8K row ("question", "answer" ending in "#### N") or a verl task row ("prompt" chat
+    messages, "reward_model": {"ground_truth": N}, optional "extra_info": {"question", "expression"})."""
+    if "prompt" in row and isinstance(row.get("reward_model"), dict):
+        extra = row.get("extra_info") or {}
+        users = [m for m in row["prompt"] if m.get("role") == "user"]
+        question = extra.get("question") or (users[-1]["content"] if users else None)
+        truth = row["reward_model"].get("ground_truth")
+        if not question or truth is None or parse_number(str(truth)) is None:
+            raise ValueError(f"{where}: a task row needs a user message in 'prompt' and a numeric "
+                             "reward_model.ground_truth")
+        return Problem(str(question), _number(parse_number(str(truth))), str(extra.get("expression") or ""))
+    m = _FINAL.search(str(row.get("answer", "")))
+    if "question" not in row or m is None:
+        raise ValueError(f"{where} needs 'question' and an 'answer' ending in '#### N' (GSM8K), or 'prompt' and "
+                         "'reward_model' (a verl task row)")
+    return Problem(str(row["question"]), _number(m.group(1)))  # type: ignore[arg-type]
+
+
+def load_problems(path: str | Path) -> list[Problem]:
+    """The problems of a task file (`read_rows`), GSM8K rows or verl task rows."""
+    out = [_problem(row, f"{path}: row {i}") for i, row in enumerate(read_rows(path))]
     if not out:
         raise ValueError(f"{path}: no problems")
     return out
+
+
+def task_row(problem: Problem, index: int, split: str) -> dict[str, Any]:
+    """A problem as a verl task row (GSM8K multi-turn layout): the chat prompt, the reward's ground truth, and
+    extra_info with the question, the solving expression (the expert's calculator call) and the split."""
+    return {"data_source": "raygent/arithmetic",
+            "prompt": [{"role": "user", "content": problem.question}],
+            "ability": "math", "reward_model": {"style": "rule", "ground_truth": str(problem.answer)},
+            "extra_info": {"split": split, "index": index, "question": problem.question,
+                           "expression": problem.expression}}
+
+
+def write_tasks(path: str | Path, n: int, split: str = "train", seed: int = 0) -> Path:
+    """`n` generated problems of `split` as a task file (JSONL, or Parquet for a .parquet path). The splits never
+    share a seed: train draws problems from even seeds, test from odd ones."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    first = 0 if split == "train" else 1
+    rows = [task_row(generate_problem(np.random.default_rng([seed, first + 2 * i])), i, split) for i in range(n)]
+    path = Path(path)
+    if path.suffix == ".parquet":
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    else:
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Write generated arithmetic problems as a verl-format task file")
+    parser.add_argument("path", help="out.jsonl or out.parquet")
+    parser.add_argument("--n", type=int, default=1000)
+    parser.add_argument("--split", choices=["train", "test"], default="train")
+    parser.add_argument("--seed", type=int, default=0)
+    a = parser.parse_args()
+    print(write_tasks(a.path, a.n, a.split, a.seed))
