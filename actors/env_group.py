@@ -96,14 +96,14 @@ def records_table(episodes: Sequence[Episode], group_id: int, group_size: int) -
     rows: dict[str, list] = {name: [] for name in schema.names}
     for member, episode in enumerate(episodes):
         conversation = episode.conversation
-        spans = conversation.step_spans() if conversation is not None else []
-        if turns and episode.steps and len(spans) < len(episode.steps):
-            raise ValueError(f"episode of group {group_id} has {len(episode.steps)} steps but its conversation "
-                             f"answers {len(spans)}")
-        # replies of a step the env never took (a loop that replied, then hit a limit) stay as context, untrained
-        mask = conversation.loss_mask if len(spans) <= len(episode.steps) or not episode.steps else \
-            conversation.loss_mask[:spans[len(episode.steps) - 1][1]] + \
-            [0] * (len(conversation.loss_mask) - spans[len(episode.steps) - 1][1])
+        if turns and episode.steps:
+            spans = conversation.step_spans() if conversation is not None else []
+            if len(spans) < len(episode.steps):
+                raise ValueError(f"episode of group {group_id} has {len(episode.steps)} steps but its conversation "
+                                 f"answers {len(spans)}")
+            # replies of a step the env never took (a loop that replied, then hit a limit) stay as context, untrained
+            taken = spans[len(episode.steps) - 1][1]
+            mask = conversation.loss_mask[:taken] + [0] * (len(conversation.loss_mask) - taken)
         for k, s in enumerate(episode.steps):
             if turns:
                 first = k == 0

@@ -423,3 +423,19 @@ def test_replies_of_a_step_the_env_never_took_stay_untrained(tokenizer):
     mask = records_table([episode], 0, 1)["loss_mask"].to_pylist()[0]
     start, end = episode.conversation.turns[1]
     assert sum(mask[start:end]) == 0 and sum(mask[slice(*episode.conversation.turns[0])]) > 0
+
+
+def test_step_mode_episodes_still_make_one_row_per_step(tokenizer):
+    """The same episode played in step mode: its block is step rows (RECORD_SCHEMA), each with its own bounded
+    prompt and reply, no conversation columns."""
+    from actors.env_group import RECORD_SCHEMA, records_table
+
+    env = envs.make("math_tool", max_steps=6, tools=["calculator", explode])
+    decide = policy_decider(tokenizer, scripted(tokenizer, REPLIES), {"max_tokens": 256, "temperature": 1.0},
+                            max_model_len=8192)
+    episode = asyncio.run(play(env, memory.make("none"), decide, seed=3))
+    assert episode.conversation is None and len(episode.steps) == 6
+    table = records_table([episode, episode], group_id=4, group_size=2)
+    assert table.schema == RECORD_SCHEMA and table.num_rows == 12
+    assert table["prompt_ids"].to_pylist()[:6] == [s.prompt_ids for s in episode.steps]
+    assert table["traj_id"].to_pylist() == [8] * 6 + [9] * 6
