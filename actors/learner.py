@@ -395,9 +395,9 @@ def sft_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, prompt_id
     tokens masked 1 are targets. Returns the step's global loss and grad norm."""
     set_lr(optimizer, lr)
     rows = np.asarray(rows, dtype=np.int64)
-    keep = ([np.asarray(m, np.float32) for m in loss_masks] if loss_masks is not None
-            else [np.ones(len(r), np.float32) for r in response_ids])
-    (n_tokens,) = collective.sum([float(sum(keep[i].sum() for i in rows))])
+    keep = {int(i): np.asarray(loss_masks[i], np.float32) if loss_masks is not None
+            else np.ones(len(response_ids[i]), np.float32) for i in rows}  # this step's rows only
+    (n_tokens,) = collective.sum([float(sum(k.sum() for k in keep.values()))])
     loss_sum = 0.0
     for part in _plan(len(rows), micro_batch_size, collective):
         if part is None:
@@ -407,7 +407,7 @@ def sft_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, prompt_id
             continue
         idx = rows[part]
         batch = _to(collate([prompt_ids[i] for i in idx], [response_ids[i] for i in idx], pad_id,
-                            values={"keep": [keep[i] for i in idx]}), device)
+                            values={"keep": [keep[int(i)] for i in idx]}), device)
         with autocast(device, autocast_dtype):
             logp, _ = token_logprobs(model, batch)
         loss = -aggregate_loss(logp, batch["keep"], "token-mean", denominator=n_tokens)
