@@ -67,6 +67,11 @@ class ConversationOver(Exception):
         self.reason = reason
 
 
+def hermes_tool_result(content: str) -> dict[str, str]:
+    """A tool's result for a template that knows no `tool` role: a user turn holding <tool_response>."""
+    return {"role": "user", "content": f"<tool_response>\n{content}\n</tool_response>"}
+
+
 def template_reads_tools(tokenizer: Any) -> bool:
     """Whether the model's chat template renders the `tools=` it is given (a tool's name shows in the text)."""
     try:
@@ -105,8 +110,7 @@ class ChatDeltas:
         """Tool results as the template takes them: as they are, or as hermes `<tool_response>` user turns."""
         if self.tool_messages == "native":
             return messages
-        return [{"role": "user", "content": f"<tool_response>\n{m['content']}\n</tool_response>"}
-                if m["role"] == "tool" else m for m in messages]
+        return [hermes_tool_result(m["content"]) if m["role"] == "tool" else m for m in messages]
 
     def first_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
         return self._encode(self._render(self.as_template_messages(messages), generation=True))

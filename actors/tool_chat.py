@@ -18,7 +18,7 @@ import re
 import uuid
 from typing import Any
 
-from actors.conversation import chat_deltas
+from actors.conversation import chat_deltas, hermes_tool_result
 from envs.tools import ToolError, parse_call
 
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
@@ -55,7 +55,7 @@ def hermes_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]] 
     for m in messages:
         content = m.get("content") or ""
         if m["role"] == "tool":
-            out.append({"role": "user", "content": f"<tool_response>\n{content}\n</tool_response>"})
+            out.append(hermes_tool_result(content))
         elif m["role"] == "assistant" and m.get("tool_calls"):
             calls = "\n".join("<tool_call>" + json.dumps({"name": c["function"]["name"], "arguments": _arguments(c)},
                                                          ensure_ascii=False) + "</tool_call>"
