@@ -105,13 +105,17 @@ def conversation_rows(turns: pa.Table) -> pa.Table:
     """Turn rows with their advantages (one per assistant turn, the conversation's token lists on its first turn's
     row) become one row per conversation: each turn's advantage on that turn's tokens (`token_advantages`), 0 on the
     env's tokens, which `loss_mask` leaves out of the loss. So every step-mode estimator runs per turn unchanged,
-    GiGPO's step groups included (a turn's anchor is the observation it answered)."""
+    GiGPO's step groups included (a turn's anchor is the observation it answered). A trajectory of a user's agent
+    may hold several conversations (`actors.gateway`): each turn row with token lists starts a row of its own."""
     cols = turns.to_pydict()
     out: dict[str, list] = {name: [] for name in CONVERSATION_SCHEMA.names}
-    rows_of: dict[tuple[int, int], list[int]] = {}
+    rows_of: dict[tuple[int, int, int], list[int]] = {}  # a row of a trajectory starts where token lists are
+    starts: dict[tuple[int, int], int] = {}
     for i, key in enumerate(zip(cols["group_id"], cols["traj_id"], strict=True)):
-        rows_of.setdefault(key, []).append(i)
-    for (group, traj), idx in rows_of.items():
+        if cols["prompt_ids"][i] or key not in starts:
+            starts[key] = i
+        rows_of.setdefault((*key, starts[key]), []).append(i)
+    for (group, traj, _), idx in rows_of.items():
         first = idx[0]
         advantages = np.zeros(len(cols["response_ids"][first]), dtype=np.float32)
         for i in idx:

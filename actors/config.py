@@ -151,6 +151,44 @@ def _check_agent_loop(name: str) -> str:
     return name
 
 
+def _check_function(path: str, what: str, arity: int) -> str:
+    import inspect
+
+    from actors.gateway import load_function
+
+    fn = load_function(path, what)  # a ValueError names what is wrong
+    try:
+        inspect.signature(fn).bind(*[None] * arity)
+    except TypeError:
+        raise ValueError(f"{what} {path!r} must take {arity} arguments") from None
+    except ValueError:  # no signature to read (a builtin): taken as it is
+        pass
+    return path
+
+
+class UserAgentConfig(_Section):
+    """A user's own agent, trained through the gateway (actors/gateway.py, docs/gateway.md)."""
+
+    entrypoint: str = Field(description="\"package.module:function\", called as function(task, llm) once per "
+                                        "trajectory (async, or sync in a thread): task is the env's task row, llm "
+                                        "its OpenAI-compatible base_url and clients; returns the reward")
+    reward: str | None = Field(None, description="\"package.module:function\" called with (task, messages) when "
+                                                 "the entrypoint returns no reward: the last call's messages and "
+                                                 "reply")
+    timeout_s: float = Field(300.0, gt=0, description="deadline of one trajectory; past it the trajectory ends "
+                                                      "(counted as faults/agent_timeouts) and the rollout goes on")
+
+    @field_validator("entrypoint")
+    @classmethod
+    def _entrypoint_loads(cls, v: str) -> str:
+        return _check_function(v, "agent.entrypoint", 2)
+
+    @field_validator("reward")
+    @classmethod
+    def _reward_loads(cls, v: str | None) -> str | None:
+        return None if v is None else _check_function(v, "agent.reward", 2)
+
+
 class RolloutConfig(_Section):
     n_groups: int = Field(16, ge=1, description="groups per iteration (distinct initial states)")
     group_size: int = Field(8, ge=1, description="environments per group sharing one initial state (GiGPO: 8)")
@@ -452,6 +490,24 @@ class TrainConfig(_Section):
     placement: PlacementConfig = PlacementConfig()
     retriever: RetrieverConfig | None = Field(None, description="a retrieval deployment for search envs whose "
                                                                 "env.kwargs.retriever is 'serve'")
+    agent: UserAgentConfig | None = Field(None, description="train an agent you already have, through the "
+                                                            "OpenAI-compatible gateway (docs/gateway.md): the env "
+                                                            "gives the tasks, your function plays them")
+
+    @model_validator(mode="after")
+    def _user_agent_plays_alone(self) -> TrainConfig:
+        if self.agent is None:
+            return self
+        if self.rollout.agent_loop not in ("step", "conversation"):
+            raise ValueError(f"agent.entrypoint and rollout.agent_loop {self.rollout.agent_loop!r} are two agents: "
+                             "set one (your agent's calls make conversation rows by themselves)")
+        if self.memory.name != "none":
+            raise ValueError(f"agent.entrypoint: your agent keeps its own history: memory.name must be 'none', got "
+                             f"{self.memory.name!r}")
+        if self.warm_start.enabled:
+            raise ValueError("agent.entrypoint: warm_start.enabled must be false (the env's expert plays the env, "
+                             "not your agent's calls)")
+        return self
 
     @model_validator(mode="after")
     def _retriever_is_deployed(self) -> TrainConfig:
@@ -514,7 +570,9 @@ class TrainConfig(_Section):
 
     @property
     def agent_loop(self) -> AgentLoop:
-        return AgentLoop.from_config(self.rollout.agent_loop, self.rollout.conversation_tokens)
+        """How episodes meet the policy; a user's agent (`agent`) makes conversation rows, as conversation mode."""
+        name = "conversation" if self.agent is not None else self.rollout.agent_loop
+        return AgentLoop.from_config(name, self.rollout.conversation_tokens)
 
     @model_validator(mode="after")
     def _trains_its_own_adapter(self) -> TrainConfig:
@@ -550,7 +608,7 @@ class TrainConfig(_Section):
                          sampling=AgentSampling(temperature=self.validation.temperature, top_p=self.rollout.top_p,
                                                 max_tokens=self.rollout.max_tokens),
                          max_model_len=self.policy.max_model_len, heldout_split=self.validation_split,
-                         agent_loop=self.rollout.agent_loop, conversation_tokens=self.rollout.conversation_tokens,
+                         agent_loop="conversation" if self.agent else self.rollout.agent_loop, conversation_tokens=self.rollout.conversation_tokens,
                          retriever=self.retriever, source={"run_name": self.run_name, "seed": self.seed, **source})
 
     @property

@@ -205,10 +205,11 @@ class Controller:
         self.phase = "baseline"
         val_seeds = envs.group_seeds(cfg.seed, 0, cfg.validation.n_envs, "val")
         if self.iteration == 0 and not self.warm_start_done:
-            random_success = await self.pool.random_policy_success(val_seeds)
-            self._log({"iteration": 0, "phase": "baseline", "val/random_policy_success": random_success})
-            logger.info("random admissible-action policy: %.1f%% success on %d held-out seeds",
-                        100 * random_success, len(val_seeds))
+            if cfg.agent is None:  # the env's random admissible action: no floor for a user's own agent
+                random_success = await self.pool.random_policy_success(val_seeds)
+                self._log({"iteration": 0, "phase": "baseline", "val/random_policy_success": random_success})
+                logger.info("random admissible-action policy: %.1f%% success on %d held-out seeds",
+                            100 * random_success, len(val_seeds))
             baseline_envs = cfg.validation.baseline_envs
             baseline_envs = cfg.validation.n_envs if baseline_envs is None else baseline_envs
             if cfg.validation.every and baseline_envs:

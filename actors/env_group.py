@@ -39,7 +39,8 @@ from actors.episodes import (
     policy_decider,
     random_decider,
 )
-from actors.evaluation import play_heldout
+from actors.evaluation import episode_result, play_heldout
+from actors.gateway import AgentTrajectory, Gateway, load_function, play_agent
 from actors.metrics import quiet_frameworks
 from actors.retrieval import attach_retriever
 from actors.storage import local_folder
@@ -83,36 +84,50 @@ class EnvPool:
 
 
 # Conversation mode: one row per assistant turn, the conversation's token lists on its first turn's row (the others'
-# lists are empty) and each turn's span in them; `actors.batch.conversation_rows` makes them one row per episode.
+# lists are empty) and each turn's span in them; `actors.batch.conversation_rows` makes them one row per conversation.
+# A user's agent through the gateway may make several conversations of one trajectory: each starts a row of its own.
 TURN_SCHEMA = RECORD_SCHEMA.append(pa.field("loss_mask", pa.list_(pa.int8()))).append(
     pa.field("turn_start", pa.int32())).append(pa.field("turn_end", pa.int32()))
 
 
+def _turn_places(episode: Episode, group_id: int) -> dict[int, tuple[Any, tuple[int, int], list[int] | None]]:
+    """Each step's conversation, its span there, and on the conversation's first step its loss mask (replies of a
+    step the env never took, a loop that replied and then hit a limit, stay as context, untrained)."""
+    places: dict[int, tuple[Any, tuple[int, int], list[int] | None]] = {}
+    for conversation in episode.conversations:
+        steps = sorted(set(conversation.steps))
+        spans = dict(zip(steps, conversation.step_spans(), strict=True))
+        taken = [k for k in steps if k < len(episode.steps)]
+        if not taken:
+            continue
+        end = spans[taken[-1]][1]
+        mask = conversation.loss_mask[:end] + [0] * (len(conversation.loss_mask) - end)
+        for k in taken:
+            places[k] = (conversation, spans[k], mask if k == taken[0] else None)
+    if len(places) < len(episode.steps):
+        raise ValueError(f"episode of group {group_id} has {len(episode.steps)} steps but its conversations "
+                         f"answer {len(places)}")
+    return places
+
+
 def records_table(episodes: Sequence[Episode], group_id: int, group_size: int) -> pa.Table:
     """One group's step records (its episodes in member order) as a block of the iteration's Dataset; in
-    conversation mode its turn records (TURN_SCHEMA)."""
-    turns = any(e.conversation is not None for e in episodes)
+    conversation mode, and for a user's agent, its turn records (TURN_SCHEMA)."""
+    turns = any(e.conversations for e in episodes)
     schema = TURN_SCHEMA if turns else RECORD_SCHEMA
     rows: dict[str, list] = {name: [] for name in schema.names}
     for member, episode in enumerate(episodes):
-        conversation = episode.conversation
-        if turns and episode.steps:
-            spans = conversation.step_spans() if conversation is not None else []
-            if len(spans) < len(episode.steps):
-                raise ValueError(f"episode of group {group_id} has {len(episode.steps)} steps but its conversation "
-                                 f"answers {len(spans)}")
-            # replies of a step the env never took (a loop that replied, then hit a limit) stay as context, untrained
-            taken = spans[len(episode.steps) - 1][1]
-            mask = conversation.loss_mask[:taken] + [0] * (len(conversation.loss_mask) - taken)
+        places = _turn_places(episode, group_id) if turns and episode.steps else {}
         for k, s in enumerate(episode.steps):
             if turns:
-                first = k == 0
+                conversation, (start, end), mask = places[k]
+                first = mask is not None
                 rows["prompt_ids"].append(conversation.prompt_ids if first else [])
                 rows["response_ids"].append(conversation.response_ids if first else [])
                 rows["rollout_logprobs"].append(conversation.logprobs if first else [])
                 rows["loss_mask"].append(mask if first else [])
-                rows["turn_start"].append(spans[k][0])
-                rows["turn_end"].append(spans[k][1])
+                rows["turn_start"].append(start)
+                rows["turn_end"].append(end)
             else:
                 rows["prompt_ids"].append(s.prompt_ids)
                 rows["response_ids"].append(s.response_ids)
@@ -152,7 +167,7 @@ async def read_rollout(stream: Any, on_group: Callable[[dict[str, Any], Any], No
 class EnvGroupActor:
     def __init__(self, env_name: str, env_kwargs: dict[str, Any], memory_name: str, memory_kwargs: dict[str, Any],
                  model_path: str, policy: Any, max_model_len: int, retriever: Any = None,
-                 policy_timeout_s: float = 300.0, loop: AgentLoop = STEP):
+                 policy_timeout_s: float = 300.0, loop: AgentLoop = STEP, agent: dict[str, Any] | None = None):
         import os
 
         from transformers import AutoTokenizer
@@ -166,6 +181,8 @@ class EnvGroupActor:
         self.loop = loop  # step or conversation (actors/conversation.py)
         self.policy_timeout_s = policy_timeout_s
         self.retriever = retriever  # the Retriever deployment's handle, for envs with `retriever: serve`
+        self.agent = agent  # a user's agent (actors/gateway.py): its function plays the env's tasks
+        self._gateway = Gateway()
         self._pool = EnvPool(lambda kwargs: attach_retriever(envs.make(self.env_name, **kwargs), kwargs,
                                                              self.retriever))
 
@@ -196,6 +213,9 @@ class EnvGroupActor:
             coalescer = Coalescer(self._send, chunks)
             generate, busy = [coalescer.generate] * len(seeds), coalescer
         with self._pool.take(len(seeds), env_kwargs) as games:
+            if self.agent is not None:
+                episodes = await self._play_agent(games, seeds, sampling_seeds, generate, sampling, on_episode)
+                return episodes, busy.busy_seconds
 
             def make(i: int):
                 decide = policy_decider(self.tokenizer, generate[i], sampling, max_model_len=self.max_model_len,
@@ -205,6 +225,33 @@ class EnvGroupActor:
 
             episodes = await play_all(make, len(seeds), on_episode=on_episode)
         return episodes, busy.busy_seconds
+
+    async def _play_agent(self, games: list[Any], seeds: Sequence[int], sampling_seeds: Sequence[int],
+                          generate: Sequence[Any], sampling: dict[str, Any],
+                          on_episode: Callable[[int, Episode], None] | None = None) -> list[Episode]:
+        """The user's agent on each env's task (`actors.gateway.play_agent`), all at once, its calls through this
+        actor's gateway."""
+        await self._gateway.start()
+        entrypoint = load_function(self.agent["entrypoint"], "agent.entrypoint")
+        reward = load_function(self.agent["reward"], "agent.reward") if self.agent.get("reward") else None
+
+        async def one(i: int) -> Episode:
+            games[i].reset(seed=int(seeds[i]))
+            task = games[i].task_row()
+            task["extra_info"] = {**task.get("extra_info", {}), "seed": int(seeds[i])}  # it replays the task
+            trajectory = AgentTrajectory(self.tokenizer, generate[i], sampling, budget=self.loop.max_tokens,
+                                         max_model_len=self.max_model_len, sampling_seed=int(sampling_seeds[i]))
+            episode = await play_agent(self._gateway, entrypoint, reward, trajectory, task,
+                                       seed=int(seeds[i]), timeout_s=float(self.agent["timeout_s"]))
+            if on_episode is not None:
+                on_episode(i, episode)
+            return episode
+
+        episodes = list(await asyncio.gather(*(one(i) for i in range(len(seeds)))))
+        failed = [e.final_info["agent_error"] for e in episodes if "agent_error" in e.final_info]
+        if failed:
+            logger.warning("%d of %d agent trajectories failed, e.g. %s", len(failed), len(episodes), failed[0])
+        return episodes
 
     @ray.method(num_returns="streaming")
     async def rollout(self, seeds: Sequence[int], group_ids: Sequence[int], group_size: int,
@@ -269,6 +316,13 @@ class EnvGroupActor:
         evaluation, which fixes its sampling seeds."""
         coalescer = Coalescer(self._send, chunks=2)
         with self._pool.take(len(seeds) * samples, env_kwargs) as games:
+            if self.agent is not None:
+                env_seeds = [int(s) for s in seeds for _ in range(samples)]
+                sampling_seeds = [episode_sampling_seed(run_seed, 0, seed_offset + k, j, split=1)
+                                  for k in range(len(seeds)) for j in range(samples)]
+                episodes = await self._play_agent(games, env_seeds, sampling_seeds,
+                                                  [coalescer.generate] * len(env_seeds), sampling)
+                return [episode_result(e, i % samples) for i, e in enumerate(episodes)]
             return await play_heldout(games.__getitem__,
                                       lambda: memory.make(self.memory_name, **self.memory_kwargs), self.tokenizer,
                                       coalescer.generate, seeds, samples=samples, sampling=sampling,

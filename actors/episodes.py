@@ -98,6 +98,12 @@ class Episode:
     final_info: dict[str, Any]
     sampling_seed: int | None = None
     conversation: Conversation | None = None  # conversation mode: the episode's token list (actors/conversation.py)
+    segments: list[Conversation] | None = None  # a user's agent (actors/gateway.py): one conversation per row
+
+    @property
+    def conversations(self) -> list[Conversation]:
+        """The token lists its rows are made of (none in step mode)."""
+        return self.segments if self.segments is not None else [self.conversation] if self.conversation else []
 
     @property
     def valid_steps(self) -> int:
@@ -420,6 +426,12 @@ def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
             "valid_steps": sum(s.valid for s in steps),
             "prompt_too_long": sum(e.ended == "prompt_too_long" for e in episodes),
             "token_budget": sum(e.ended == "token_budget" for e in episodes),
+            # a user's agent (actors/gateway.py): how its trajectories ended, and those that stayed one row
+            "agent_errors": sum(e.ended == "agent_error" for e in episodes),
+            "agent_timeouts": sum(e.ended == "agent_timeout" for e in episodes),
+            "agent_no_calls": sum(e.ended == "no_calls" for e in episodes),
+            "agent_trajectories": sum(e.segments is not None and bool(e.steps) for e in episodes),
+            "agent_merged": sum(e.segments is not None and len(e.segments) == 1 for e in episodes),
             "env_errors": sum(s.env_error is not None for s in steps),
             "generated_tokens": sum(len(s.response_ids) for s in steps),
             "prompt_tokens": sum(len(s.prompt_ids) for s in steps),

@@ -59,7 +59,12 @@ def rollout_metrics(parts: list[dict[str, Any]], prefix: str) -> dict[str, Any]:
                     "faults/prompt_too_long": int(total("prompt_too_long")),
                     "train/token_budget_endings": int(total("token_budget")),
                     "faults/env_errors": int(total("env_errors")),
+                    "faults/agent_errors": int(total("agent_errors")),
+                    "faults/agent_timeouts": int(total("agent_timeouts")),
+                    "faults/agent_no_calls": int(total("agent_no_calls")),
                     "faults/stale_rows": int(total("stale_rows"))})
+        if total("agent_trajectories"):
+            out["train/gateway_merged_share"] = total("agent_merged") / total("agent_trajectories")
     return out
 
 
@@ -88,7 +93,8 @@ class EnvGroupPool:
                                      runtime_env={"env_vars": {
                                          "RAYGENT_FRAMEWORK_LOG_LEVEL": cfg.logging.framework_level}}).remote(
             cfg.env.name, cfg.env_kwargs, cfg.memory.name, cfg.memory.kwargs, self.model_path, self.policy,
-            cfg.policy.max_model_len, self.retriever, cfg.rollout.policy_timeout_s, cfg.agent_loop)
+            cfg.policy.max_model_len, self.retriever, cfg.rollout.policy_timeout_s, cfg.agent_loop,
+            cfg.agent.model_dump() if cfg.agent else None)
 
     async def _revive(self, k: int) -> None:
         """Wait for Ray to restart actor `k` (max_restarts=-1); replace it if it cannot come back. One revival per

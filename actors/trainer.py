@@ -566,7 +566,7 @@ class TrainerGroup:
 
     async def _stalled(self, since: float) -> str | None:
         """What each rank was last doing, when no rank has made progress for trainer.stall_timeout_s (counted from
-        `since` at the latest: a task's submission); None while the job moves."""
+        `since` at the latest: a task's submission); None while the job moves or its workers are starting."""
         limit = self.trainer_cfg.stall_timeout_s
         if time.monotonic() - since < limit:
             return None
@@ -574,6 +574,12 @@ class TrainerGroup:
         if ranks and min(age for age, _ in ranks.values()) < limit:
             return None
         if not ranks:
+            # Before any rank reports, its workers either wait for their placement group (a stall: say what it
+            # waits for) or, the group placed, start their processes (importing torch takes a loaded node a minute
+            # or more): only the task deadline bounds that.
+            table = await asyncio.to_thread(ray.util.placement_group_table)
+            if not any(pg["state"] in ("PENDING", "RESCHEDULING") for pg in table.values()):
+                return None
             return ("no rank started: its workers wait for resources (a placement group of "
                     f"{self.world} x {worker_resources(self.trainer_cfg, self.placement)}; free: "
                     f"{ray.available_resources()})")

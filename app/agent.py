@@ -39,6 +39,7 @@ from actors.checkpoint import read_agent_card
 from actors.config import AgentCard, format_config_error
 from actors.conversation import STEP, chat_deltas
 from actors.episodes import Decision, PromptTooLong, StepRecord, Turn, play, policy_decider
+from actors.openai_api import BadRequest
 from actors.prompting import encode_prompt
 from actors.retrieval import attach_retriever
 from actors.storage import is_uri
@@ -49,7 +50,6 @@ from app.agent_http import (  # noqa: F401  (AgentConfig: the app's config, impo
     ActRequest,
     AgentConfig,
     AgentRequest,
-    BadRequest,
     EpisodeRequest,
     error_responses,
     fastapi_app,

@@ -12,66 +12,23 @@ from typing import Any
 
 from fastapi.responses import StreamingResponse
 
-from actors.tool_chat import encode_tool_chat, parse_tool_calls
-from app.agent_http import (
-    GET_ERRORS,
-    STREAMABLE,
+from actors.openai_api import (
     BadRequest,
     ChatCompletionRequest,
     CompletionRequest,
-    fastapi_app,
+    chat_choice,
+    chat_stream,
+    sse,
+    token_usage,
 )
-
-
-def _usage(replies: list[dict[str, Any]]) -> dict[str, int]:
-    prompt = sum(len(r["prompt_token_ids"]) for r in replies)
-    completion = sum(len(r["token_ids"]) for r in replies)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-
-def _sse(obj: dict[str, Any]) -> str:
-    return f"data: {json.dumps(obj)}\n\n"
-
-
-async def chat_stream(rid: str, created: int, model: str, choices: list[dict], usage: dict):
-    """Server-sent events in the OpenAI chunk format. The reply is produced by one batched engine call and then
-    sent as a role chunk, a content chunk, one chunk per tool call and a finish chunk per choice."""
-    base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
-    for c in choices:
-        yield _sse({**base, "choices": [{"index": c["index"], "delta": {"role": "assistant", "content": ""},
-                                         "finish_reason": None}]})
-        if c["message"]["content"] is not None or c["logprobs"] is not None:
-            delta = {"index": c["index"], "delta": {"content": c["message"]["content"] or ""}, "finish_reason": None}
-            if c["logprobs"] is not None:
-                delta["logprobs"] = c["logprobs"]
-            yield _sse({**base, "choices": [delta]})
-        for k, call in enumerate(c["message"].get("tool_calls") or []):
-            yield _sse({**base, "choices": [{"index": c["index"], "delta": {"tool_calls": [{"index": k, **call}]},
-                                             "finish_reason": None}]})
-        yield _sse({**base, "choices": [{"index": c["index"], "delta": {}, "finish_reason": c["finish_reason"]}]})
-    yield "data: [DONE]\n\n"
-
-
-def chat_choice(index: int, reply: dict[str, Any], tool_names: set[str], token_strings: list[str] | None
-                ) -> dict[str, Any]:
-    """One choice of a chat completion from a Policy reply: its tool calls of the offered tools (finish_reason
-    "tool_calls") and the rest of the text as the content; log-probs per token when `token_strings` are given."""
-    content, calls = parse_tool_calls(reply["text"], tool_names) if tool_names else (reply["text"], [])
-    message: dict[str, Any] = {"role": "assistant", "content": content}
-    if calls:
-        message["tool_calls"] = calls
-    choice: dict[str, Any] = {"index": index, "message": message, "logprobs": None,
-                              "finish_reason": "tool_calls" if calls else reply["finish_reason"]}
-    if token_strings is not None:
-        choice["logprobs"] = {"content": [{"token": s, "logprob": lp, "bytes": list(s.encode()), "top_logprobs": []}
-                                          for s, lp in zip(token_strings, reply["logprobs"], strict=False)]}
-    return choice
+from actors.tool_chat import encode_tool_chat
+from app.agent_http import GET_ERRORS, STREAMABLE, fastapi_app
 
 
 async def _completion_stream(rid: str, created: int, model: str, choices: list[dict]):
     base = {"id": rid, "object": "text_completion", "created": created, "model": model}
     for c in choices:
-        yield _sse({**base, "choices": [{"index": c["index"], "text": c["text"], "logprobs": c["logprobs"],
+        yield sse({**base, "choices": [{"index": c["index"], "text": c["text"], "logprobs": c["logprobs"],
                                          "finish_reason": c["finish_reason"]}]})
     yield "data: [DONE]\n\n"
 
@@ -150,7 +107,7 @@ class OpenAIRoutes:
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         choices = [chat_choice(i, r, tool_names, self._token_strings(r["token_ids"]) if req.logprobs else None)
                    for i, r in enumerate(replies)]
-        usage = _usage(replies)
+        usage = token_usage(replies)
         if req.stream:
             return StreamingResponse(chat_stream(rid, created, self.model_name, choices, usage),
                                      media_type="text/event-stream")
@@ -177,7 +134,7 @@ class OpenAIRoutes:
                 choice["logprobs"] = {"tokens": tokens, "token_logprobs": r["logprobs"],
                                       "top_logprobs": [{} for _ in tokens], "text_offset": offsets}
             choices.append(choice)
-        usage = _usage(replies)
+        usage = token_usage(replies)
         if req.stream:
             return StreamingResponse(_completion_stream(rid, created, self.model_name, choices),
                                      media_type="text/event-stream")

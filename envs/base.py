@@ -195,6 +195,13 @@ class TextEnv(gym.Env[str, str]):
         return [{"role": "user", "content": self.followup_template.format(
             observation=observation, actions=", ".join(self.admissible_actions()))}]
 
+    def task_row(self) -> dict[str, Any]:
+        """The episode just reset as a task for an agent of the user's own (actors/gateway.py), in verl's row
+        layout: the chat `prompt` and `extra_info`. Envs with a checkable answer add `reward_model.ground_truth`."""
+        return {"data_source": f"raygent/{self.name}",
+                "prompt": [{"role": "user", "content": self.build_prompt(self._observe())}],
+                "extra_info": {"env": self.name}}
+
     def _info(self, action: str | None, valid: bool, key_event: str | None) -> dict[str, Any]:
         info: dict[str, Any] = {
             "won": self._won,

@@ -19,7 +19,7 @@ from typing import Any
 
 from envs.base import Outcome, TextEnv, split_pool
 from envs.data import clip, squash, to_charset
-from envs.data.arithmetic import Problem, generate_problem, load_problems, parse_number
+from envs.data.arithmetic import Problem, generate_problem, load_problems, parse_number, task_row
 from envs.tools import Tool, ToolCall, ToolError, ToolRegistry, find_tagged, parse_call, render_call
 
 TAGS = ("tool_call", "answer")
@@ -141,6 +141,11 @@ class MathTool(TextEnv):
             return [{"role": "tool", "content": info["tool_output"]}]
         return [{"role": "user", "content": f"{observation}\nReply with one tool call <tool_call>{{...}}</tool_call> "
                                             "or the final answer <answer>number</answer>."}]
+
+    def task_row(self) -> dict[str, Any]:
+        """The problem as verl's GSM8K multi-turn row (the question alone as the prompt, the answer as the ground
+        truth): an agent of the user's own brings its own instructions and tools."""
+        return task_row(self.problem, 0, self.split)  # the index of a generated set's row: none here
 
     def expert_action(self) -> str | None:
         """Ask the calculator for the solving expression (generated problems carry it) until it answers, then

@@ -16,7 +16,9 @@ from tests.serve_helpers import ServeRun, get_history, get_status, training_conf
 
 pytestmark = pytest.mark.slow
 
-AGENT_ENVS = ("alfworld", "webshop", "search", "math_tool", "math_tool_conversation")
+# math_tool's own step-mode config is not run here (its env trains in conversation mode below and gives the tasks of
+# the gateway run; step mode trains in every other run): the suite's time budget (docs/testing.md)
+AGENT_ENVS = ("alfworld", "webshop", "search", "math_tool_conversation")
 
 
 def _delete_train_app() -> None:
@@ -83,3 +85,52 @@ def _check_conversation_run(record, status, args):
     assert record["perf/prompt_tokens_per_step"] > 0 and "train/token_budget_endings" in record, record
     card = read_agent_card(status["last_checkpoint"] + "/model")
     assert card.agent_loop == "conversation" and card.conversation_tokens == args["rollout"]["conversation_tokens"]
+
+
+def test_users_own_agents_train_through_the_gateway(ray_cluster, serve_url, tmp_path):
+    """`serve run serve_configs/gateway_calculator_cpu.yaml` with the three example agents (examples/: the `openai`
+    client, LangGraph, the Agents SDK; `examples.three_agents` gives each task to one of them by its seed) playing
+    math_tool's tasks through each env-group actor's gateway for 2 iterations, every agent a group of each. Their
+    calls become conversation rows that the Train job trains (the policy moves from its start: KL > 0), the held-out
+    validation runs the same agents, and the checkpoint's card says conversation."""
+    import envs
+    from actors.checkpoint import read_agent_card
+
+    source = REPO / "serve_configs" / "gateway_calculator_cpu.yaml"
+    args = yaml.safe_load(source.read_text())["applications"][0]["args"]
+    port = int(serve_url.rsplit(":", 1)[1])
+    seed, n_groups = 108, 3  # seeds whose tasks go to each agent once in both iterations
+    assert all(sorted(int(s) % 3 for s in envs.group_seeds(seed, it, n_groups, "train")) == [0, 1, 2]
+               for it in range(2))
+    rollout = {**args["rollout"], "n_groups": n_groups}
+    # The tiny model never solves a problem: every reward is 0, so is every advantage; an entropy bonus moves the
+    # policy all the same, through the loss over the recorded rows (their masks, the engine's log-probs).
+    optim = {**args["optim"], "entropy_coef": 0.01}
+    config = training_config(source, tmp_path / "config.yaml", port, tmp_path / "runs", iterations=2, seed=seed,
+                             agent={**args["agent"], "entrypoint": "examples.three_agents:run"}, rollout=rollout,
+                             optim=optim, validation={**args["validation"], "baseline_envs": 0})
+    _delete_train_app()
+    run = ServeRun(config, tmp_path / "serve_run.log", ray_cluster.get_runtime_context().gcs_address)
+    try:
+        status = wait_for(lambda: (s := get_status(serve_url))["run_name"] == args["run_name"] and s["done"] and s,
+                          600, "the gateway run to finish", run)
+        history = get_history(serve_url)
+    finally:
+        run.stop()
+        _delete_train_app()
+    assert status["phase"] == "done" and status["error"] is None, (status, run.log.read_text()[-3000:])
+    train = [r for r in history if r.get("phase") == "train"]
+    assert [r["iteration"] for r in train] == [1, 2], history
+    for r in train:
+        assert r["train/episodes"] == n_groups * args["rollout"]["group_size"], r
+        assert r["faults/agent_errors"] == 0 and r["faults/agent_timeouts"] == 0, r
+        # the openai-client agent reminds a model that neither calls nor answers, up to 4 calls: its calls merge into
+        # one row (the engine's tokens and the template's deltas) whose log-probs the trainer reads back as the
+        # engine's
+        assert r["train/episode_length"] > 1 and r["data/rows"] == r["train/episodes"], r
+        assert r["train/gateway_merged_share"] == 1.0 and _finite(r["train/loss"]), r
+        assert r["train/rollout_trainer_logprob_gap"] < 1e-3, r
+    assert train[-1]["train/kl"] > 0, [r["train/kl"] for r in train]  # the update moved the policy from its start
+    assert "val/success_rate" in train[-1] and not any("val/random_policy_success" in r for r in history)
+    card = read_agent_card(status["last_checkpoint"] + "/model")
+    assert card.agent_loop == "conversation"
