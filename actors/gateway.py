@@ -11,7 +11,9 @@ How calls become training rows (`AgentTrajectory`):
   (`actors.conversation.ChatDeltas`, the same as conversation mode), so the agent's history stays token-exact and
   the calls merge into one conversation row (mask 1 on the model's tokens only);
 - any other call (the agent rewrote or summarised its history, changed its tools, or the merged row would pass
-  `rollout.conversation_tokens`) starts a new row, its prompt rendered from the messages. Every row of a trajectory
+  `rollout.conversation_tokens`) starts a new row, its prompt rendered from the messages;
+- a completion call (`/v1/completions`, a text prompt) extends the previous one where its prompt is the previous
+  prompt and reply followed by more text: the new text's tokens follow the engine's. Every row of a trajectory
   gets the trajectory's reward; `train/gateway_merged_share` counts the trajectories that stayed one row.
 A call's anchor (GiGPO's step groups) is the last message before the reply that is not the model's: the task's
 prompt for the first call, then the tool result or user message it answers, as in conversation mode.
@@ -52,9 +54,11 @@ from actors.episodes import Episode, StepRecord, step_sampling_seed
 from actors.openai_api import (
     BadRequest,
     ChatCompletionRequest,
+    CompletionRequest,
     add_error_handlers,
     chat_choice,
     chat_stream,
+    completion_stream,
     token_usage,
 )
 from actors.tool_chat import encode_tool_chat
@@ -107,6 +111,7 @@ class _Call:
     reply_ids: list[int]
     tools: str  # the request's tools and tool choice, as JSON
     segment: int
+    text: str | None = None  # a completion call's prompt and reply (None for a chat call)
 
 
 @dataclass
@@ -155,14 +160,46 @@ class AgentTrajectory:
         self.splits[reason] = self.splits.get(reason, 0) + 1
         return None
 
-    async def chat_completion(self, req: ChatCompletionRequest) -> dict[str, Any]:
-        """One call: its prompt (extending the last call's tokens where it can), the Policy's reply, the record; the
-        OpenAI choice (`actors.openai_api.chat_choice`) with the reply, usage and weight version."""
-        if req.n != 1:
+    def _open(self, n: int) -> None:
+        if n != 1:
             raise BadRequest("n must be 1: the gateway records one reply per call", "n")
+        if self.ended is not None:
+            raise BadRequest(f"this trajectory has ended ({self.ended}); its calls are no longer taken", status=409)
+
+    async def _reply(self, conversation: Conversation, delta: list[int] | None, req: Any, anchor: str,
+                     observation: str) -> tuple[dict[str, Any], list[int]]:
+        """The Policy's reply to `conversation` (a new row's prompt; with `delta`, the row it extends and the tokens
+        that extend it), within the client's max_tokens, the run's and the room left; the call recorded."""
+        prompt = conversation.prompt_ids if delta is None else conversation.ids + delta
+        wanted = min(getattr(req, "max_completion_tokens", None) or req.max_tokens or 10**9,
+                     int(self.sampling["max_tokens"]))
+        room = min(wanted, self.max_model_len - len(prompt))
+        if delta is not None:
+            room = min(room, self.budget - len(conversation.response_ids) - len(delta))
+        if room <= 0:
+            raise BadRequest(f"the prompt ({len(prompt)} tokens) leaves no room to reply within the model's "
+                             f"{self.max_model_len} tokens", "messages")
+        k = len(self.steps)
+        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        seed = None if self.sampling_seed is None else step_sampling_seed(self.sampling_seed, k)
+        reply = await self.generate(prompt, {**self.sampling, "max_tokens": room, "stop": stop, "seed": seed})
+        ids, version = list(reply["token_ids"]), int(reply.get("weight_version", 0))
+        if delta is None:
+            self.segments.append(conversation)
+        else:
+            conversation.add_env(delta)
+        conversation.add_reply(ids, list(reply["logprobs"]), version, step=k)
+        self.steps.append(StepRecord(
+            step=k, observation=observation, reply=reply["text"], action=None, valid=True, reward=0.0, anchor=anchor,
+            prompt_ids=list(prompt), response_ids=ids, logprobs=list(reply["logprobs"]), weight_version=version,
+            replica=reply.get("replica_id")))
+        return reply, prompt
+
+    async def chat_completion(self, req: ChatCompletionRequest) -> dict[str, Any]:
+        """One chat call: its prompt (extending the last call's tokens where it can), the Policy's reply, the record;
+        the OpenAI choice (`actors.openai_api.chat_choice`) with the reply, usage and weight version."""
         async with self._lock:  # one call at a time per trajectory: the rows follow the calls' order
-            if self.ended is not None:
-                raise BadRequest(f"this trajectory has ended ({self.ended}); its calls are no longer taken", status=409)
+            self._open(req.n)
             messages = [m.model_dump(exclude_none=True) for m in req.messages]
             tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
             choice = req.tool_choice.model_dump() if hasattr(req.tool_choice, "model_dump") else req.tool_choice
@@ -170,41 +207,52 @@ class AgentTrajectory:
             extension = self._extension(messages, tools_key)
             if extension is not None:
                 conversation, delta = extension
-                prompt = conversation.ids + delta
             else:
                 try:
                     prompt, _ = encode_tool_chat(self.tokenizer, messages, tools or None, choice or "auto")
                 except ValueError as e:
                     raise BadRequest(str(e), "messages") from None
-                conversation, delta = Conversation(list(prompt)), []
-            wanted = min(req.max_completion_tokens or req.max_tokens or 10**9, int(self.sampling["max_tokens"]))
-            room = min(wanted, self.max_model_len - len(prompt))
-            if extension is not None:
-                room = min(room, self.budget - len(conversation.response_ids) - len(delta))
-            if room <= 0:
-                raise BadRequest(f"the prompt ({len(prompt)} tokens) leaves no room to reply within the model's "
-                                 f"{self.max_model_len} tokens", "messages")
-            k = len(self.steps)
-            stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-            seed = None if self.sampling_seed is None else step_sampling_seed(self.sampling_seed, k)
-            reply = await self.generate(prompt, {**self.sampling, "max_tokens": room, "stop": stop, "seed": seed})
-            ids, version = list(reply["token_ids"]), int(reply.get("weight_version", 0))
-            if extension is None:
-                self.segments.append(conversation)
-            else:
-                conversation.add_env(delta)
-            conversation.add_reply(ids, list(reply["logprobs"]), version, step=k)
+                conversation, delta = Conversation(list(prompt)), None
+            reply, prompt = await self._reply(conversation, delta, req, _anchor(messages),
+                                              str(messages[-1].get("content") or ""))
+            ids = list(reply["token_ids"])
             names = set() if choice == "none" else {t["function"]["name"] for t in tools}
             answer = chat_choice(0, reply, names, [self.tokenizer.decode([t]) for t in ids] if req.logprobs else None)
             self._calls.append(_Call([_same(m) for m in messages], _same(answer["message"]), ids, tools_key,
                                      len(self.segments) - 1))
-            self.steps.append(StepRecord(
-                step=k, observation=str(messages[-1].get("content") or ""), reply=reply["text"], action=None,
-                valid=True, reward=0.0, anchor=_anchor(messages), prompt_ids=list(prompt), response_ids=ids,
-                logprobs=list(reply["logprobs"]), weight_version=version, replica=reply.get("replica_id")))
             self.last_messages = [*messages, answer["message"]]
             return {"choice": answer, "usage": token_usage([{"prompt_token_ids": prompt, "token_ids": ids}]),
-                    "weight_version": version}
+                    "weight_version": reply.get("weight_version", 0)}
+
+    async def completion(self, req: CompletionRequest) -> dict[str, Any]:
+        """One completion call (a text prompt): it extends the last call where its prompt is the last prompt and
+        reply, then more text (the engine's tokens of both, the new text's tokens after them); else a new row."""
+        if not isinstance(req.prompt, str):
+            raise BadRequest("one prompt per call: the gateway records one reply per call", "prompt")
+        async with self._lock:
+            self._open(req.n)
+            last = self._calls[-1] if self._calls else None
+            conversation, delta = None, None
+            if last is not None and last.text is not None and req.prompt.startswith(last.text):
+                delta = list(self.tokenizer.encode(req.prompt[len(last.text):], add_special_tokens=False))
+                conversation = self.segments[last.segment]
+                if len(conversation.response_ids) + len(delta) >= self.budget:
+                    self.splits["token_budget"] = self.splits.get("token_budget", 0) + 1
+                    conversation, delta = None, None
+            elif last is not None:
+                self.splits["history_rewritten"] = self.splits.get("history_rewritten", 0) + 1
+            if conversation is None:
+                conversation = Conversation(list(self.tokenizer.encode(req.prompt)))
+            anchor = "gw:" + hashlib.sha1(req.prompt[-200:].encode()).hexdigest()[:16]
+            reply, prompt = await self._reply(conversation, delta, req, anchor, req.prompt[-200:])
+            ids = list(reply["token_ids"])
+            self._calls.append(_Call([], (), ids, "", len(self.segments) - 1, text=req.prompt + reply["text"]))
+            self.last_messages = [{"role": "user", "content": req.prompt},
+                                  {"role": "assistant", "content": reply["text"]}]
+            text = req.prompt + reply["text"] if req.echo else reply["text"]
+            choice = {"index": 0, "text": text, "finish_reason": reply["finish_reason"], "logprobs": None}
+            return {"choice": choice, "usage": token_usage([{"prompt_token_ids": prompt, "token_ids": ids}]),
+                    "weight_version": reply.get("weight_version", 0)}
 
     def episode(self, seed: int, reward: float, won: bool, ended: str, info: dict[str, Any]) -> Episode:
         """The trajectory as an Episode (one step per call, the reward on the last; `segments` its rows)."""
@@ -239,8 +287,8 @@ class AgentLLM:
 
 class Gateway:
     """The OpenAI-compatible server of one env-group actor, on 127.0.0.1 and a free port, run in the actor's own event
-    loop (uvicorn; started by `start`). `/t/{trajectory}/v1/chat/completions` and `/t/{trajectory}/v1/models`:
-    each open trajectory (`open`) has its own base URL."""
+    loop (uvicorn; started by `start`). `/t/{trajectory}/v1/chat/completions`, `.../v1/completions` and
+    `.../v1/models`: each open trajectory (`open`) has its own base URL."""
 
     def __init__(self) -> None:
         self.trajectories: dict[str, AgentTrajectory] = {}
@@ -275,6 +323,16 @@ class Gateway:
             return {"id": rid, "object": "chat.completion", "created": created, "model": MODEL_NAME,
                     "choices": [out["choice"]], "usage": out["usage"],
                     "system_fingerprint": f"v{out['weight_version']}"}
+
+        @app.post("/t/{tid}/v1/completions")
+        async def completions(tid: str, req: CompletionRequest) -> Any:
+            out = await trajectory(tid).completion(req)
+            rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+            if req.stream:
+                return StreamingResponse(completion_stream(rid, created, MODEL_NAME, [out["choice"]]),
+                                         media_type="text/event-stream")
+            return {"id": rid, "object": "text_completion", "created": created, "model": MODEL_NAME,
+                    "choices": [out["choice"]], "usage": out["usage"]}
 
         return app
 

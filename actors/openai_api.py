@@ -226,3 +226,11 @@ def chat_choice(index: int, reply: dict[str, Any], tool_names: set[str], token_s
         choice["logprobs"] = {"content": [{"token": s, "logprob": lp, "bytes": list(s.encode()), "top_logprobs": []}
                                           for s, lp in zip(token_strings, reply["logprobs"], strict=False)]}
     return choice
+
+
+async def completion_stream(rid: str, created: int, model: str, choices: list[dict]):
+    base = {"id": rid, "object": "text_completion", "created": created, "model": model}
+    for c in choices:
+        yield sse({**base, "choices": [{"index": c["index"], "text": c["text"], "logprobs": c["logprobs"],
+                                         "finish_reason": c["finish_reason"]}]})
+    yield "data: [DONE]\n\n"

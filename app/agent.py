@@ -329,7 +329,8 @@ class AgentAPI(OpenAIRoutes):
 
 def build_agent_app(args: dict[str, Any]) -> serve.Application:
     """`serve run serve_configs/agent.yaml` entry. A bad config fails here, before any replica starts. A model
-    whose agent card names a retrieval deployment (a search agent) gets one beside the policy. `model=DIR` is
+    whose agent card names a retrieval deployment (a search agent) gets one beside the policy; its policy gets the
+    card's max_model_len unless the config sets one. `model=DIR` is
     short for `policy: {model: DIR}`: `serve run app.agent:build_agent_app model=runs/<run>/checkpoints/<it>/model`."""
     args = dict(args or {})
     if "model" in args:
@@ -338,9 +339,12 @@ def build_agent_app(args: dict[str, Any]) -> serve.Application:
         config = AgentConfig.model_validate(args)
     except ValidationError as e:  # one line per field, without the values (a storage URI may carry credentials)
         raise ValueError(format_config_error(e, what="agent config")) from None
-    policy = Policy.bind(config.policy.model_dump())
     path = resolve_model(config.policy.model)
     card = read_agent_card(path) if os.path.isdir(path) else None
+    if card is not None and "max_model_len" not in (args.get("policy") or {}):
+        # the context the agent was trained with (a conversation-mode agent's prompts grow to it), unless set here
+        config.policy = config.policy.model_copy(update={"max_model_len": card.max_model_len})
+    policy = Policy.bind(config.policy.model_dump())
     retriever_cfg = config.retriever or (card.retriever if card else None)
     retriever = Retriever.bind(retriever_cfg.model_dump()) if retriever_cfg else None
     return AgentAPI.bind(policy, config.model_dump(), retriever)

@@ -18,19 +18,11 @@ from actors.openai_api import (
     CompletionRequest,
     chat_choice,
     chat_stream,
-    sse,
+    completion_stream,
     token_usage,
 )
 from actors.tool_chat import encode_tool_chat
 from app.agent_http import GET_ERRORS, STREAMABLE, fastapi_app
-
-
-async def _completion_stream(rid: str, created: int, model: str, choices: list[dict]):
-    base = {"id": rid, "object": "text_completion", "created": created, "model": model}
-    for c in choices:
-        yield sse({**base, "choices": [{"index": c["index"], "text": c["text"], "logprobs": c["logprobs"],
-                                         "finish_reason": c["finish_reason"]}]})
-    yield "data: [DONE]\n\n"
 
 
 class OpenAIRoutes:
@@ -136,7 +128,7 @@ class OpenAIRoutes:
             choices.append(choice)
         usage = token_usage(replies)
         if req.stream:
-            return StreamingResponse(_completion_stream(rid, created, self.model_name, choices),
+            return StreamingResponse(completion_stream(rid, created, self.model_name, choices),
                                      media_type="text/event-stream")
         return {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
                 "choices": choices, "usage": usage}

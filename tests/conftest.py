@@ -74,6 +74,35 @@ def serve_url(ray_cluster) -> str:
     return f"http://127.0.0.1:{port}"
 
 
+# A ChatML template that reads `tools=` (as Qwen2.5's and Hermes' do; neither built-in model's does), written here to
+# test the native path: the schemas in the system turn, `tool` turns as their own role, an assistant's tool calls as
+# <tool_call> blocks. (transformers renders with trim_blocks: a newline right after a tag is written as {{ '\n' }}.)
+TOOLS_TEMPLATE = (
+    "{% if tools or messages[0].role == 'system' %}<|im_start|>system\n"
+    "{% if messages[0].role == 'system' %}{{ messages[0].content }}{% endif %}"
+    "{% if tools %}{{ '\\nTools you may call:' }}{% for t in tools %}{{ '\\n' }}{{ t | tojson }}{% endfor %}{% endif %}"
+    "<|im_end|>\n{% endif %}"
+    "{% for m in messages %}"
+    "{% if m.role == 'assistant' %}<|im_start|>assistant\n{{ m.content or '' }}"
+    "{% for c in m.tool_calls or [] %}<tool_call>{\"name\": \"{{ c.function.name }}\", \"arguments\": "
+    "{{ c.function.arguments | tojson }}}</tool_call>{% endfor %}<|im_end|>\n"
+    "{% elif m.role != 'system' %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def load_tokenizer(name: str):
+    """A built-in model's tokenizer; "smollm2-135m+tools": SmolLM2's with TOOLS_TEMPLATE."""
+    from transformers import AutoTokenizer
+
+    from app.default_model import resolve_model
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(name.removesuffix("+tools")))
+    if name.endswith("+tools"):
+        tokenizer.chat_template = TOOLS_TEMPLATE
+    return tokenizer
+
+
 @pytest.fixture(scope="session")
 def default_model() -> str:
     from app.default_model import resolve_model

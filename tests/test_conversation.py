@@ -17,8 +17,9 @@ import memory
 from actors.conversation import AgentLoop, ConversationOver, chat_deltas, next_turn
 from actors.episodes import play, policy_decider
 from envs.tools import tool
+from tests.conftest import TOOLS_TEMPLATE, load_tokenizer
 
-TOKENIZERS = ["default:tiny", "smollm2-135m"]
+TOKENIZERS = ["default:tiny", "smollm2-135m", "smollm2-135m+tools"]  # +tools: a template that reads `tools=`
 
 REPLIES = [
     '<tool_call>{"name": "calculator", "arguments": {"expression": "2 + 3"}}</tool_call>',
@@ -38,9 +39,7 @@ def explode(x: int) -> str:
 
 @pytest.fixture(scope="module", params=TOKENIZERS)
 def tokenizer(request):
-    from app.default_model import resolve_model
-
-    return AutoTokenizer.from_pretrained(resolve_model(request.param))
+    return load_tokenizer(request.param)
 
 
 def scripted(tokenizer, replies, stop_with_eos=True):
@@ -118,20 +117,26 @@ def test_a_six_turn_episode_trains_the_engines_tokens_plus_template_deltas(token
 
 
 def test_each_tool_failure_is_a_tool_message(tokenizer):
-    """Bad JSON, an unknown tool and a tool that raises each answer as a tool turn (hermes <tool_response> where the
-    template reads no tools) with the error; a reply without tags gets a user turn with the reply format."""
+    """Bad JSON, an unknown tool and a tool that raises each answer as a tool turn (a `tool` message where the template
+    reads tools, hermes <tool_response> where it does not) with the error; a reply without tags gets a user turn with
+    the reply format."""
     episode, _ = play_math(tokenizer, REPLIES)
     messages = reference_messages(tokenizer, episode)
     env_turns = [m for m in messages[1:] if m["role"] != "assistant"]
-    chat = chat_deltas(tokenizer)
-    assert chat.tool_messages == "hermes"  # neither built-in template reads `tools`
+    native = chat_deltas(tokenizer).tool_messages == "native"
+    assert native == (tokenizer.chat_template == TOOLS_TEMPLATE)  # neither built-in template reads `tools`
+    assert [m["role"] for m in env_turns] == ["tool" if native else "user"] * 4 + ["user"]
     tool_turns = [m["content"] for m in env_turns[:4]]
-    assert all(t.startswith("<tool_response>") for t in tool_turns), tool_turns
+    if not native:
+        assert all(t.startswith("<tool_response>") for t in tool_turns), tool_turns
+        tool_turns = [t.split("\n")[1] for t in tool_turns]
     assert "5" in tool_turns[0] and "not valid JSON" in tool_turns[1]
     assert "unknown tool 'abacus'" in tool_turns[2] and "boom 1" in tool_turns[3]
     assert "<tool_response>" not in env_turns[4]["content"] and "<answer>" in env_turns[4]["content"]
     decoded = tokenizer.decode(episode.conversation.response_ids)
-    assert all(t.split("\n")[1] in decoded for t in tool_turns)
+    assert all(t in decoded for t in tool_turns)
+    if native:
+        assert decoded.count("<|im_start|>tool\n") == 4
 
 
 def test_a_delta_that_fills_the_budget_is_kept_and_one_token_over_ends_the_episode(tokenizer):

@@ -20,16 +20,15 @@ from actors.conversation import chat_deltas, next_turn
 from actors.env_group import records_table
 from actors.gateway import AgentTrajectory, Gateway, play_agent
 from examples.calculator_agent import CALCULATOR
+from tests.conftest import load_tokenizer
 
 TASK = {"prompt": [{"role": "user", "content": "What is 2 + 3?"}], "reward_model": {"ground_truth": "5"}}
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "2 + 3"}}</tool_call>'
 
 
-@pytest.fixture(scope="module", params=["default:tiny", "smollm2-135m"])
+@pytest.fixture(scope="module", params=["default:tiny", "smollm2-135m", "smollm2-135m+tools"])
 def tokenizer(request):
-    from app.default_model import resolve_model
-
-    return AutoTokenizer.from_pretrained(resolve_model(request.param))
+    return load_tokenizer(request.param)  # +tools: a template that reads `tools=` (tool turns natively)
 
 
 def scripted(tokenizer, replies):
@@ -262,6 +261,25 @@ def test_each_example_agent_runs_unchanged_through_the_gateway_and_its_calls_mer
     assert len(episode.steps) == 2 and len(episode.segments) == 1 and not t.splits, (t.splits, t.last_messages)
     assert episode.return_ == 1.0 and episode.won
     assert "<tool_response>\n5\n</tool_response>" in tokenizer.decode(episode.segments[0].response_ids)
+
+
+def test_completion_calls_that_extend_their_text_merge_and_others_start_a_row(tokenizer):
+    async def writer(task, llm):
+        client, text = llm.client(), "Q: 2 + 3?\nA:"
+        for _ in range(2):
+            reply = await client.completions.create(model=llm.model, prompt=text, max_tokens=8)
+            text += reply.choices[0].text + "\nQ: and again?\nA:"  # its own reply, then more text
+        chunks = [c async for c in await client.completions.create(model=llm.model, prompt="New start:",
+                                                                    stream=True)]
+        return float("".join(c.choices[0].text for c in chunks) == "5")
+
+    t = trajectory(tokenizer, [" 5", " 5", "5"])
+    (episode,) = run_agent(writer, [t])
+    assert episode.ended == "terminated" and episode.won and len(episode.steps) == 3
+    assert len(episode.segments) == 2 and t.splits == {"history_rewritten": 1}
+    merged = episode.segments[0]
+    assert [merged.response_ids[a:b] for a, b in merged.turns] == [s.response_ids for s in episode.steps[:2]]
+    assert t.generate.calls[1] == merged.ids[:len(merged.prompt_ids) + merged.turns[1][0]]
 
 
 def test_a_config_that_cannot_play_a_users_agent_fails_naming_the_field():

@@ -50,6 +50,23 @@ def test_a_template_without_tools_gets_them_the_hermes_way(smollm2):
     assert "Call the function 'calculator' now." in smollm2.decode(named)
 
 
+def test_a_template_that_reads_tools_gets_them_natively():
+    """The schemas go to the template's `tools=`, tool results stay `tool` messages, an assistant's tool calls reach
+    the template with their arguments as objects; a forced function is asked for in a system turn."""
+    from tests.conftest import load_tokenizer
+
+    native = load_tokenizer("smollm2-135m+tools")
+    ids, way = encode_tool_chat(native, CHAT, [CALC])
+    text = native.decode(ids)
+    assert way == "native"
+    assert text.startswith("<|im_start|>system\n\nTools you may call:\n" + json.dumps(CALC)), text
+    assert ('<|im_start|>assistant\n<tool_call>{"name": "calculator", "arguments": {"expression": "12 * 7"}}'
+            "</tool_call><|im_end|>\n<|im_start|>tool\n84<|im_end|>\n<|im_start|>assistant\n") in text
+    assert "tool_response" not in text
+    named, _ = encode_tool_chat(native, CHAT[:1], [CALC], {"type": "function", "function": {"name": "calculator"}})
+    assert "Call the function 'calculator' now." in native.decode(named)
+
+
 def test_tool_call_arguments_that_are_not_json_are_refused(smollm2):
     bad = [CHAT[0], {**CHAT[1], "tool_calls": [{"type": "function", "function": {"name": "calculator",
                                                                                  "arguments": "{12 * 7"}}]}]

@@ -516,11 +516,11 @@ def test_a_gpu_recipe_at_cpu_size_trains_the_real_model_syncs_checkpoints_serves
     """The Sokoban GPU recipe (serve_configs/gpu/sokoban.yaml) run as benchmarks/bench_gpu_recipes_on_cpu.py runs
     every recipe: SmolLM2-135M-Instruct (the built-in `smollm2-135m`) in place of Qwen, only sizes, devices and
     engine settings changed, nccl's CPU twin gloo carrying the weights; here in float32 (the log-prob check below is
-    tight), with one replica and a short warm start first (its path with a real model). A Train worker is killed
-    mid-run (the replica kill is the tiny model's, in the lifecycle test: a second real-model replica costs the
-    suite a minute); the trainer's log-probs of the sampled replies are the engine's; the checkpoint is served by
-    the agent endpoint with its path alone (the official openai client included), and `raygent eval` plays the
-    run's held-out seeds with their sampling seeds as the run's own validation did."""
+    tight), with one replica and a short warm start first (its path with a real model). The trainer's log-probs of
+    the sampled replies are the engine's; the checkpoint is served by the agent endpoint with its path alone (the
+    official openai client included), and `raygent eval` plays the run's held-out seeds with their sampling seeds as
+    the run's own validation did. (Kills of replicas and Train workers are the lifecycle test's, with the tiny model
+    on the same gloo group: with the real model each costs the suite a minute.)"""
     import subprocess
     import sys
 
@@ -544,9 +544,6 @@ def test_a_gpu_recipe_at_cpu_size_trains_the_real_model_syncs_checkpoints_serves
     config.write_text(yaml.safe_dump(spec))
     run = ServeRun(config, tmp_path / "run.log", address)
     try:
-        wait_for(lambda: get_status(serve_url)["iteration"] >= 1 or get_status(serve_url)["done"], 900,
-                 "iteration 1", run)
-        kill_one("ray::RayTrainWorker")
         status = wait_for(lambda: (s := get_status(serve_url))["done"] and s, 900, "the run to finish", run)
         # the replica holds the run's last weights
         versions = {i["version"] for i in serve.get_deployment_handle("Policy", app_name="train")
@@ -559,7 +556,6 @@ def test_a_gpu_recipe_at_cpu_size_trains_the_real_model_syncs_checkpoints_serves
     history = read_history(tmp_path / "runs" / "recipe-sokoban")
     train = trained_records(history)
     assert [r["iteration"] for r in train] == [1, 2]
-    assert [r for r in history if r.get("phase") == "fault"], "the Train job was not restarted"
     # the replicas hold the trainer's weights after every update (over the gloo group), in float32
     assert all(r["train/rollout_trainer_logprob_gap"] < REAL_MODEL_LOGPROB_GAP for r in train), \
         [r["train/rollout_trainer_logprob_gap"] for r in train]

@@ -43,8 +43,12 @@ def test_cpu_smoke_config_trains(env, ray_cluster, serve_url, tmp_path):
     port = int(serve_url.rsplit(":", 1)[1])
     # One iteration (its validation and checkpoint come with it, as the run's last); no validation of the untrained
     # policy (the same evaluation as the last, and the costliest: noise of max_tokens at every step).
+    # A warm start of 4 steps: its path, not its learning (the suite's time budget).
+    warm = args["warm_start"]
+    if warm["enabled"]:
+        warm = {**warm, "steps": min(warm["steps"], 4), "eval_every": min(warm.get("eval_every", 4), 4)}
     config = training_config(source, tmp_path / "config.yaml", port, tmp_path / "runs", iterations=1,
-                             validation={**args["validation"], "baseline_envs": 0})
+                             warm_start=warm, validation={**args["validation"], "baseline_envs": 0})
     _delete_train_app()
     run = ServeRun(config, tmp_path / "serve_run.log", ray_cluster.get_runtime_context().gcs_address)
     try:
@@ -92,9 +96,17 @@ def test_users_own_agents_train_through_the_gateway(ray_cluster, serve_url, tmp_
     client, LangGraph, the Agents SDK; `examples.three_agents` gives each task to one of them by its seed) playing
     math_tool's tasks through each env-group actor's gateway for 2 iterations, every agent a group of each. Their
     calls become conversation rows that the Train job trains (the policy moves from its start: KL > 0), the held-out
-    validation runs the same agents, and the checkpoint's card says conversation."""
+    validation runs the same agents, and the checkpoint's card says conversation. Served by the agent endpoint, the
+    checkpoint answers the same agent's code unchanged, its base URL pointing there."""
+    import asyncio
+
+    from ray import serve
+
     import envs
     from actors.checkpoint import read_agent_card
+    from actors.gateway import AgentLLM
+    from app.agent import build_agent_app
+    from examples import calculator_agent
 
     source = REPO / "serve_configs" / "gateway_calculator_cpu.yaml"
     args = yaml.safe_load(source.read_text())["applications"][0]["args"]
@@ -134,3 +146,14 @@ def test_users_own_agents_train_through_the_gateway(ray_cluster, serve_url, tmp_
     assert "val/success_rate" in train[-1] and not any("val/random_policy_success" in r for r in history)
     card = read_agent_card(status["last_checkpoint"] + "/model")
     assert card.agent_loop == "conversation"
+
+    # the trained agent, as its users run it afterwards: the same function against the agent endpoint
+    served = {"policy": {"model": status["last_checkpoint"] + "/model", "engine": "hf"}, "served_model_name": "policy"}
+    serve.run(build_agent_app(served), name="trained-agent", route_prefix="/trained")
+    try:
+        env = envs.make("math_tool")
+        env.reset(seed=1)
+        reward = asyncio.run(calculator_agent.run(env.task_row(), AgentLLM(f"{serve_url}/trained/v1", 120)))
+    finally:
+        serve.delete("trained-agent")
+    assert reward in (0.0, 1.0)

@@ -127,7 +127,8 @@ def _train_config(tmp_path: Path, name: str, port: int, storage: str | None, ite
     spec["http_options"]["port"] = port
     app = spec["applications"][0]
     app["args"].update(output_dir=str(tmp_path / "runs"), run_name="two-nodes", iterations=iterations,
-                       checkpoint={"every": 1, "keep": 2, "resume": "auto", "storage": storage})
+                       checkpoint={"every": 1, "keep": 2, "resume": "auto", "storage": storage},
+                       warm_start={**app["args"]["warm_start"], "steps": 4, "eval_every": 4})  # its path only
     if placed:
         app["args"]["placement"] = {"controller": {"head_node": 1}, "trainer": {"worker_node": 1}}
         app["deployments"] = [
