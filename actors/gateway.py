@@ -61,7 +61,7 @@ from actors.openai_api import (
     completion_stream,
     token_usage,
 )
-from actors.tool_chat import encode_tool_chat
+from actors.tool_chat import call_arguments, encode_tool_chat
 
 logger = logging.getLogger("raygent")
 
@@ -82,26 +82,27 @@ def load_function(path: str, what: str) -> Callable[..., Any]:
 
 
 # ---- one trajectory's calls ------------------------------------------------------------------------------------
-def _arguments(value: Any) -> Any:
-    if isinstance(value, str):
-        try:
-            return json.loads(value) if value.strip() else {}
-        except json.JSONDecodeError:
-            return value
-    return value
-
-
 def _same(m: dict[str, Any]) -> tuple:
     """What identifies a message for the prefix check: its role, text and tool calls (names and parsed arguments;
     call ids and whitespace-free JSON spelling do not matter)."""
-    calls = tuple((c["function"]["name"], json.dumps(_arguments(c["function"].get("arguments")), sort_keys=True))
-                  for c in m.get("tool_calls") or [])
+    def arguments(call: dict[str, Any]) -> str:
+        try:
+            return json.dumps(call_arguments(call), sort_keys=True)
+        except ValueError:  # not a JSON object: compared as sent
+            return str(call["function"].get("arguments"))
+
+    calls = tuple((c["function"]["name"], arguments(c)) for c in m.get("tool_calls") or [])
     return m["role"], m.get("content") or "", calls
 
 
-def _anchor(messages: list[dict[str, Any]]) -> str:
+def _anchor(text: str) -> str:
+    """GiGPO's anchor of a call: a digest of what it answered."""
+    return "gw:" + hashlib.sha1(text.encode()).hexdigest()[:16]
+
+
+def _chat_anchor(messages: list[dict[str, Any]]) -> str:
     last = next((m for m in reversed(messages) if m["role"] != "assistant"), messages[-1])
-    return "gw:" + hashlib.sha1(json.dumps(_same(last)).encode()).hexdigest()[:16]
+    return _anchor(json.dumps(_same(last)))
 
 
 @dataclass
@@ -157,8 +158,11 @@ class AgentTrajectory:
             if len(conversation.response_ids) + len(delta) < self.budget:
                 return conversation, delta
             reason = "token_budget"
-        self.splits[reason] = self.splits.get(reason, 0) + 1
+        self._split(reason)
         return None
+
+    def _split(self, reason: str) -> None:
+        self.splits[reason] = self.splits.get(reason, 0) + 1
 
     def _open(self, n: int) -> None:
         if n != 1:
@@ -213,7 +217,7 @@ class AgentTrajectory:
                 except ValueError as e:
                     raise BadRequest(str(e), "messages") from None
                 conversation, delta = Conversation(list(prompt)), None
-            reply, prompt = await self._reply(conversation, delta, req, _anchor(messages),
+            reply, prompt = await self._reply(conversation, delta, req, _chat_anchor(messages),
                                               str(messages[-1].get("content") or ""))
             ids = list(reply["token_ids"])
             names = set() if choice == "none" else {t["function"]["name"] for t in tools}
@@ -237,14 +241,13 @@ class AgentTrajectory:
                 delta = list(self.tokenizer.encode(req.prompt[len(last.text):], add_special_tokens=False))
                 conversation = self.segments[last.segment]
                 if len(conversation.response_ids) + len(delta) >= self.budget:
-                    self.splits["token_budget"] = self.splits.get("token_budget", 0) + 1
+                    self._split("token_budget")
                     conversation, delta = None, None
             elif last is not None:
-                self.splits["history_rewritten"] = self.splits.get("history_rewritten", 0) + 1
+                self._split("history_rewritten")
             if conversation is None:
                 conversation = Conversation(list(self.tokenizer.encode(req.prompt)))
-            anchor = "gw:" + hashlib.sha1(req.prompt[-200:].encode()).hexdigest()[:16]
-            reply, prompt = await self._reply(conversation, delta, req, anchor, req.prompt[-200:])
+            reply, prompt = await self._reply(conversation, delta, req, _anchor(req.prompt[-200:]), req.prompt[-200:])
             ids = list(reply["token_ids"])
             self._calls.append(_Call([], (), ids, "", len(self.segments) - 1, text=req.prompt + reply["text"]))
             self.last_messages = [{"role": "user", "content": req.prompt},

@@ -34,7 +34,9 @@ def _hermes_system(tools: list[dict[str, Any]], forced: str | None) -> str:
     return text + (f"\n\nCall the function {forced!r} now." if forced else "")
 
 
-def _arguments(call: dict[str, Any]) -> dict[str, Any]:
+def call_arguments(call: dict[str, Any]) -> dict[str, Any]:
+    """An OpenAI tool call's arguments as an object (they may come as a JSON string); ValueError where they are not
+    one."""
     args = call["function"].get("arguments") or {}
     if isinstance(args, str):
         try:
@@ -57,7 +59,7 @@ def hermes_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]] 
         if m["role"] == "tool":
             out.append(hermes_tool_result(content))
         elif m["role"] == "assistant" and m.get("tool_calls"):
-            calls = "\n".join("<tool_call>" + json.dumps({"name": c["function"]["name"], "arguments": _arguments(c)},
+            calls = "\n".join("<tool_call>" + json.dumps({"name": c["function"]["name"], "arguments": call_arguments(c)},
                                                          ensure_ascii=False) + "</tool_call>"
                               for c in m["tool_calls"])
             out.append({"role": "assistant", "content": f"{content}\n{calls}" if content else calls})
@@ -87,7 +89,7 @@ def encode_tool_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: list
         forced = "one of the functions"
     way = chat_deltas(tokenizer).tool_messages
     if way == "native":
-        plain = [{**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": _arguments(c)}}
+        plain = [{**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": call_arguments(c)}}
                                       for c in m["tool_calls"]]} if m.get("tool_calls") else m for m in messages]
         if forced:
             plain = [{"role": "system", "content": f"Call the function {forced!r} now."}, *plain]
