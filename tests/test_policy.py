@@ -240,6 +240,56 @@ def test_a_rollout_routed_by_group_keeps_each_trajectory_on_one_replica(ray_clus
     assert len(groups) == len(seeds) and later > 0 and same == later, groups
 
 
+def test_an_update_mid_episode_versions_each_step_and_the_batch_counts_its_group(ray_cluster, policies,
+                                                                                   default_model):
+    """The joint async mode rests on, without its timing: weights updated on every replica while a rollout's
+    episodes run. Each step records the version of the reply it acted on (never going back within a
+    trajectory), so a trajectory holds steps of both versions, and `training_batch` counts its group as mixed (the
+    `data/mixed_version_groups` the async run logs) while keeping it."""
+    import threading
+
+    import envs
+    from actors.batch import training_batch
+    from actors.config import AlgorithmConfig, TrainConfig
+    from actors.env_group import EnvGroupActor, read_rollout
+    from actors.weights import pack_weights
+
+    handle = policies["vllm"]
+    cfg = TrainConfig()
+    algo = AlgorithmConfig(estimator="gigpo")
+    actor = EnvGroupActor.options(num_cpus=0.05).remote(cfg.env.name, {**cfg.env_kwargs, "max_steps": 16},
+                                                        cfg.memory.name, cfg.memory.kwargs, default_model,
+                                                        handle, 1024)
+    start = max(i["version"] for i in handle.broadcast("info").results())
+    lookups = sum(i["prefix_cache"]["queries"] for i in handle.broadcast("info").results())
+    seeds = envs.group_seeds(0, 7, 2, "train").tolist()
+    stream = actor.rollout.remote(seeds, [0, 1], 2, {"temperature": 1.0, "top_p": 1.0, "max_tokens": 16}, 2, 0, 7,
+                                  algorithm=algo)
+    blocks: list = []
+    reader = threading.Thread(target=lambda: asyncio.run(asyncio.wait_for(
+        read_rollout(stream, lambda _, block: blocks.append(block)), 300)))
+    reader.start()
+    deadline = time.monotonic() + 120
+    while sum(i["prefix_cache"]["queries"] for i in handle.broadcast("info").results()) == lookups:
+        assert time.monotonic() < deadline, "the rollout sent no request"
+        time.sleep(0.05)
+    # the same weights as a new version: only the version tells the steps apart
+    original = load_file(f"{default_model}/model.safetensors")
+    handle.broadcast("update_weights", pack_weights(original.items(), "float32", 256 * 1024), start + 1).results()
+    reader.join(timeout=300)
+    ray_cluster.kill(actor)
+    assert len(blocks) == 2, "the rollout did not finish"
+    rows = [r for b in blocks for r in ray_cluster.get(b).to_pylist()]
+    for traj in {r["traj_id"] for r in rows}:
+        versions = [r["weight_version"] for r in sorted(rows, key=lambda r: r["step"]) if r["traj_id"] == traj]
+        assert versions == sorted(versions) and set(versions) <= {start, start + 1}, versions
+    mixed = {r["group_id"] for r in rows if r["weight_version"] == start} & {
+        r["group_id"] for r in rows if r["weight_version"] == start + 1}
+    assert mixed, "every episode ended before the update: lengthen them"
+    _, summary, _, checks = training_batch(blocks, algo, 1, 2)
+    assert checks["data/mixed_version_groups"] == len(mixed) and len(summary) == len(rows)
+
+
 def test_a_rollout_streams_whole_groups_and_a_killed_actor_keeps_those_it_delivered(ray_cluster, policies,
                                                                                        default_model):
     """`EnvGroupActor.rollout` streams one block per group, each holding every member's whole trajectory, and
