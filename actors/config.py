@@ -151,6 +151,18 @@ def _check_agent_loop(name: str) -> str:
     return name
 
 
+def _check_named_loops(loops: dict[str, str]) -> dict[str, str]:
+    for name, loop in loops.items():
+        if loop == "step":
+            raise ValueError(f"agent_loops[{name!r}]: a task row's loop is a conversation loop: 'conversation' or "
+                             "'package.module:Class', not 'step'")
+        try:
+            _check_agent_loop(loop)
+        except ValueError as e:
+            raise ValueError(f"agent_loops[{name!r}]: {e}") from None
+    return loops
+
+
 def _check_function(path: str, what: str, arity: int) -> str:
     import inspect
 
@@ -215,6 +227,10 @@ class RolloutConfig(_Section):
                             "conversation (env and tool turns as chat messages), one row per episode with only "
                             "the model's tokens trained; or \"package.module:Class\", a conversation loop of "
                             "your own (docs/conversations.md)")
+    agent_loops: dict[str, str] = Field(
+        default_factory=lambda: {"tool_agent": "conversation"},
+        description="conversation mode: the loops that task rows name in their agent_name column (verl's), name -> "
+                    "\"conversation\" or \"package.module:Class\"; rows that name none play agent_loop")
     conversation_tokens: int = Field(
         1024, ge=16, description="conversation mode: the most tokens after the first prompt (the model's and the "
                                  "env's together); an episode that would pass it ends, counted as token_budget")
@@ -229,6 +245,11 @@ class RolloutConfig(_Section):
     @classmethod
     def _known_loop(cls, v: str) -> str:
         return _check_agent_loop(v)
+
+    @field_validator("agent_loops")
+    @classmethod
+    def _known_loops(cls, v: dict[str, str]) -> dict[str, str]:
+        return _check_named_loops(v)
 
     @model_validator(mode="after")
     def _enough_groups(self) -> RolloutConfig:
@@ -568,11 +589,27 @@ class TrainConfig(_Section):
                              f"first prompt in policy.max_model_len {self.policy.max_model_len}")
         return self
 
+    @model_validator(mode="after")
+    def _task_rows_name_known_loops(self) -> TrainConfig:
+        names = envs.make(self.env.name, **self.env.kwargs).task_agent_names()
+        if not names:
+            return self
+        if self.agent is not None or self.rollout.agent_loop == "step":
+            raise ValueError(f"env.kwargs.data: its task rows name agent loops {sorted(names)} (agent_name), which "
+                             "conversation mode plays: set rollout.agent_loop to 'conversation' or a loop of yours")
+        unknown = sorted(names - set(self.rollout.agent_loops))
+        if unknown:
+            raise ValueError(f"env.kwargs.data: its task rows name agent loops {unknown} that rollout.agent_loops "
+                             f"does not map; mapped: {sorted(self.rollout.agent_loops)}")
+        return self
+
     @property
     def agent_loop(self) -> AgentLoop:
         """How episodes meet the policy; a user's agent (`agent`) makes conversation rows, as conversation mode."""
-        name = "conversation" if self.agent is not None else self.rollout.agent_loop
-        return AgentLoop.from_config(name, self.rollout.conversation_tokens)
+        if self.agent is not None:
+            return AgentLoop.from_config("conversation", self.rollout.conversation_tokens)
+        return AgentLoop.from_config(self.rollout.agent_loop, self.rollout.conversation_tokens,
+                                     self.rollout.agent_loops)
 
     @model_validator(mode="after")
     def _trains_its_own_adapter(self) -> TrainConfig:
@@ -608,7 +645,9 @@ class TrainConfig(_Section):
                          sampling=AgentSampling(temperature=self.validation.temperature, top_p=self.rollout.top_p,
                                                 max_tokens=self.rollout.max_tokens),
                          max_model_len=self.policy.max_model_len, heldout_split=self.validation_split,
-                         agent_loop="conversation" if self.agent else self.rollout.agent_loop, conversation_tokens=self.rollout.conversation_tokens,
+                         agent_loop="conversation" if self.agent else self.rollout.agent_loop,
+                         agent_loops={} if self.agent else self.rollout.agent_loops,
+                         conversation_tokens=self.rollout.conversation_tokens,
                          retriever=self.retriever, source={"run_name": self.run_name, "seed": self.seed, **source})
 
     @property
@@ -658,12 +697,19 @@ class AgentCard(_Section):
     max_model_len: int = Field(1024, ge=16)
     heldout_split: str | None = None
     agent_loop: str = Field("step", description="step, conversation or a custom loop's import path")
+    agent_loops: dict[str, str] = Field(default_factory=dict, description="the loops task rows name (agent_name)")
+    conversation_tokens: int = Field(1024, ge=16)
 
     @field_validator("agent_loop")
     @classmethod
     def _known_loop(cls, v: str) -> str:
         return _check_agent_loop(v)
-    conversation_tokens: int = Field(1024, ge=16)
+
+    @field_validator("agent_loops")
+    @classmethod
+    def _known_loops(cls, v: dict[str, str]) -> dict[str, str]:
+        return _check_named_loops(v)
+
     retriever: RetrieverConfig | None = Field(None, description="the retrieval deployment the env searched")
     source: dict[str, Any] = Field(default_factory=dict, description="where the weights come from: run, "
                                                                      "iteration, weight version, warm start")
@@ -680,7 +726,7 @@ class AgentCard(_Section):
 
     @property
     def loop(self) -> AgentLoop:
-        return AgentLoop.from_config(self.agent_loop, self.conversation_tokens)
+        return AgentLoop.from_config(self.agent_loop, self.conversation_tokens, self.agent_loops)
 
     @property
     def heldout_kwargs(self) -> dict[str, Any]:

@@ -42,18 +42,25 @@ _PROBE_TOOL = {"type": "function", "function": {"name": "raygent_probe_tool", "d
 class AgentLoop:
     """How an episode meets the policy: `step` (a bounded prompt per step, one row per step) or `conversation`
     (one growing conversation, one row per episode; `max_tokens` bounds its response, all turns together).
-    `custom`: the import path of a conversation-mode decider class of the user's (`load_agent_loop`)."""
+    `custom`: the import path of a conversation-mode decider class of the user's (`load_agent_loop`). `named`:
+    (name, loop) pairs, the loops that task rows name (verl's `agent_name` column; a loop is "conversation" or an
+    import path); a row that names none plays `custom` (or the plain conversation)."""
 
     kind: AgentLoopKind = "step"
     max_tokens: int = 1024
     custom: str | None = None
+    named: tuple[tuple[str, str], ...] = ()
 
     @classmethod
-    def from_config(cls, name: str, max_tokens: int) -> AgentLoop:
-        """`name` as configured: "step", "conversation" or "package.module:Class" (a custom conversation loop)."""
-        if name in ("step", "conversation"):
-            return cls(name, max_tokens)  # type: ignore[arg-type]
-        return cls("conversation", max_tokens, name)
+    def from_config(cls, name: str, max_tokens: int, named: dict[str, str] | None = None) -> AgentLoop:
+        """`name` as configured: "step", "conversation" or "package.module:Class" (a custom conversation loop);
+        `named`: `rollout.agent_loops` (conversation mode only)."""
+        pairs = tuple(sorted((named or {}).items()))
+        if name == "step":
+            return cls("step", max_tokens)
+        if name == "conversation":
+            return cls("conversation", max_tokens, None, pairs)
+        return cls("conversation", max_tokens, name, pairs)
 
 
 STEP = AgentLoop()

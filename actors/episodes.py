@@ -301,8 +301,12 @@ def policy_decider(tokenizer: Any, generate: Generate, sampling: dict[str, Any],
     (`ConversationDecider`)."""
     if loop.kind == "conversation":
         decider = load_agent_loop(loop.custom) if loop.custom else ConversationDecider
-        return decider(tokenizer, generate, sampling, max_model_len=max_model_len, budget=loop.max_tokens,
-                       sampling_seed=sampling_seed)
+        settings = {"max_model_len": max_model_len, "budget": loop.max_tokens, "sampling_seed": sampling_seed}
+        if loop.named:
+            named = {name: ConversationDecider if path == "conversation" else load_agent_loop(path)
+                     for name, path in loop.named}
+            return TaskRowLoop(named, decider, tokenizer, generate, sampling, **settings)
+        return decider(tokenizer, generate, sampling, **settings)
 
     async def decide(turn: Turn) -> Decision:
         prompt = encode_prompt(tokenizer, turn.env, turn.observation, turn.memory.render())
@@ -355,6 +359,27 @@ class ConversationDecider:
         """One env step: the env's message, one reply. A custom loop (`rollout.agent_loop: "package.module:Class"`)
         subclasses this and overrides `__call__` (and `messages`), calling `reply` as often as it needs."""
         return await self.reply(turn, self.messages(turn))
+
+
+class TaskRowLoop:
+    """verl's `agent_name` column: the episode plays the loop its task row names (`env.agent_name`, read at the
+    first step, after the env has drawn its task), or `default` where the row names none. The config refuses rows
+    that name a loop `rollout.agent_loops` does not map; here such a row plays `default`."""
+
+    def __init__(self, named: dict[str, type[ConversationDecider]], default: type[ConversationDecider],
+                 *args: Any, **kwargs: Any):
+        self.named, self.default, self._args, self._kwargs = named, default, args, kwargs
+        self.loop: ConversationDecider | None = None
+
+    @property
+    def conversation(self) -> Conversation | None:
+        return self.loop.conversation if self.loop else None
+
+    async def __call__(self, turn: Turn) -> Decision:
+        if self.loop is None:
+            name = getattr(turn.env, "agent_name", None)
+            self.loop = self.named.get(name, self.default)(*self._args, **self._kwargs)
+        return await self.loop(turn)
 
 
 def load_agent_loop(path: str) -> type[ConversationDecider]:

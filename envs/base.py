@@ -195,6 +195,12 @@ class TextEnv(gym.Env[str, str]):
         return [{"role": "user", "content": self.followup_template.format(
             observation=observation, actions=", ".join(self.admissible_actions()))}]
 
+    agent_name: str | None = None  # the conversation loop this episode's task row names (verl's agent_name)
+
+    def task_agent_names(self) -> set[str]:
+        """Every loop name the env's task rows give (`agent_name`); empty for envs without task files."""
+        return set()
+
     def task_row(self) -> dict[str, Any]:
         """The episode just reset as a task for an agent of the user's own (actors/gateway.py), in verl's row
         layout: the chat `prompt` and `extra_info`. Envs with a checkable answer add `reward_model.ground_truth`."""

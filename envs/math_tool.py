@@ -6,6 +6,13 @@ Each turn the reply holds either a tool call, ``<tool_call>{"name": "calculator"
 2-4 operations, whole-number answers) or loaded from a task file (`data=`: GSM8K rows or verl's task rows, JSONL or
 Parquet, a local path or a storage URI; `envs.data.arithmetic.write_tasks` writes the generated set as one).
 
+A reply may hold up to `max_parallel_calls` tool calls (later ones are ignored, as verl's tool loop ignores them);
+they run concurrently and each result is its own `tool` message in conversation mode. Tools come from `tools`
+(names or import paths) and from `tools_config`, a verl tool YAML (`envs.tools.load_tools_config`): classes with
+verl's async create / execute / release interface, one instance per episode, created with the task row's
+`extra_info.tools_kwargs` (the generated set gives verl's GSM8K reward tool its ground truth), released when the
+episode ends.
+
 What counts as invalid (nothing moves, `invalid_reward`): no <tool_call> or <answer> tag, a tool call that is not a
 JSON object with a "name", or an answer without a number. A call the tool refuses (unknown tool, arguments that fail
 the schema, an error inside the tool) is a valid turn whose observation is the error text, flagged in
@@ -15,12 +22,27 @@ the schema, an error inside the tool) is a valid turn whose observation is the e
 from __future__ import annotations
 
 import functools
+import json
 from typing import Any
 
 from envs.base import Outcome, TextEnv, split_pool
 from envs.data import clip, squash, to_charset
 from envs.data.arithmetic import Problem, generate_problem, load_problems, parse_number, task_row
-from envs.tools import Tool, ToolCall, ToolError, ToolRegistry, find_tagged, parse_call, render_call
+from envs.tools import (
+    SessionTool,
+    Tool,
+    ToolCall,
+    ToolError,
+    ToolRegistry,
+    ToolResult,
+    ToolSession,
+    find_all_tagged,
+    find_tagged,
+    load_tools_config,
+    parse_call,
+    render_call,
+    run_sync,
+)
 
 TAGS = ("tool_call", "answer")
 
@@ -53,17 +75,24 @@ class MathTool(TextEnv):
 
     def __init__(self, data: str | None = None, tools: tuple[str | Tool, ...] | list[str | Tool] = ("calculator",),
                  max_steps: int | None = None, max_output_chars: int = 600, registry: ToolRegistry | None = None,
-                 split: str = "train"):
+                 split: str = "train", tools_config: str | None = None, max_parallel_calls: int = 1):
         split_pool([], split)  # a bad split name fails here
-        super().__init__(max_steps=max_steps, max_obs_chars=2048 + max_output_chars)
+        if max_parallel_calls < 1:
+            raise ValueError(f"max_parallel_calls must be >= 1, got {max_parallel_calls}")
+        super().__init__(max_steps=max_steps, max_obs_chars=(2048 + max_output_chars) * max_parallel_calls)
         self.data, self.split = data, split
         self.registry = registry or ToolRegistry(tools)
+        for session_tool in load_tools_config(tools_config) if tools_config else []:
+            self.registry.register(session_tool)
         self.max_output_chars = max_output_chars
+        self.max_parallel_calls = max_parallel_calls
         self.problem = Problem("", 0)
+        self.session = ToolSession()
         self._last: str | None = None
         self._last_ok = False  # the last tool call succeeded (the expert then answers)
         self._tool_error = False
-        self._tool_output: str | None = None  # this step's tool result or error (a `tool` message in conversations)
+        self._tool_outputs: list[str] | None = None  # this step's tool results or errors (`tool` messages)
+        self._ready: list[ToolResult] | None = None  # results `astep` ran before stepping
 
     def _new_episode(self, options: dict[str, Any] | None) -> None:
         if self.data:
@@ -72,6 +101,25 @@ class MathTool(TextEnv):
         else:
             self.problem = generate_problem(self.np_random)
         self._last, self._last_ok = None, False
+        self.session.close_now()  # an episode left before its end
+        self.session = ToolSession(self._tools_kwargs())
+
+    @property
+    def agent_name(self) -> str | None:  # type: ignore[override]
+        return self.problem.agent_name or None
+
+    def task_agent_names(self) -> set[str]:
+        return {p.agent_name for p in _problems(str(self.data)) if p.agent_name} if self.data else set()
+
+    def _tools_kwargs(self) -> dict[str, Any]:
+        """The task row's per-sample tool arguments; session tools whose `create` takes a `ground_truth` that the
+        row does not give get the problem's answer."""
+        kwargs = json.loads(self.problem.tools_kwargs) if self.problem.tools_kwargs else {}
+        for t in self.registry.tools.values():
+            if isinstance(t, SessionTool) and t.takes("ground_truth"):
+                entry = kwargs.setdefault(t.name, {})
+                entry.setdefault("create_kwargs", {}).setdefault("ground_truth", str(self.problem.answer))
+        return kwargs
 
     def _observe(self) -> str:
         text = f"Question: {to_charset(self.problem.question)}"
@@ -80,13 +128,15 @@ class MathTool(TextEnv):
         return clip(text, self.observation_space.max_length)
 
     def admissible_actions(self) -> list[str]:
-        calls = [render_call(ToolCall(t.name, {k: "..." for k in t.args_model.model_fields}))
+        calls = [render_call(ToolCall(t.name, dict.fromkeys(t.schema()["function"]["parameters"].get("properties", {}),
+                                                            "...")))
                  for t in self.registry.tools.values()]
         return [*calls, "<answer>...</answer>"]
 
     def match_action(self, reply: str) -> str | None:
-        """The canonical action in a raw reply: a tool call re-serialised (tool and argument names as declared,
-        values validated) or ``<answer>N</answer>`` with N as a plain number; None when there is neither."""
+        """The canonical action in a raw reply: its tool calls (the first `max_parallel_calls`) re-serialised, one
+        per line (tool and argument names as declared, values validated), or ``<answer>N</answer>`` with N as a
+        plain number; None when there is neither, or a call is not a JSON object with a name."""
         found = find_tagged(reply, TAGS)
         if found is None:
             return None
@@ -94,51 +144,84 @@ class MathTool(TextEnv):
         if tag == "answer":
             value = parse_number(text)
             return None if value is None else f"<answer>{_format(value)}</answer>"
-        try:
-            call = parse_call(text)
-        except ToolError:
-            return None
-        try:
-            tool, args = self.registry.validate(call)
-            call = ToolCall(tool.name, args.model_dump(mode="json"))
-        except ToolError:
-            pass  # a refused call is still a turn: the error is shown by _apply
-        try:
-            return render_call(call)
-        except (TypeError, ValueError):  # arguments JSON cannot re-encode (e.g. NaN oddities): treat as malformed
-            return None
+        rendered = []
+        for body in find_all_tagged(reply, "tool_call")[: self.max_parallel_calls]:
+            try:
+                call = parse_call(body)
+            except ToolError:
+                return None
+            try:
+                tool, args = self.registry.validate(call)
+                call = ToolCall(tool.name, args if isinstance(tool, SessionTool) else args.model_dump(mode="json"))
+            except ToolError:
+                pass  # a refused call is still a turn: the error is shown by _apply
+            try:
+                rendered.append(render_call(call))
+            except (TypeError, ValueError):  # arguments JSON cannot re-encode (e.g. NaN oddities): malformed
+                return None
+        return "\n".join(rendered)
+
+    def _calls(self, action: str | None) -> list[str]:
+        """The JSON bodies of a canonical action's tool calls (none for an answer or no action)."""
+        return find_all_tagged(action, "tool_call") if action and action.startswith("<tool_call>") else []
 
     def _apply(self, action: str) -> Outcome:
         tag, text = find_tagged(action, TAGS)  # type: ignore[misc]  # canonical, so always found
         if tag == "answer":
             won = parse_number(text) == float(self.problem.answer)
             return Outcome(1.0 if won else 0.0, terminated=True, won=won, key_event=f"answered {text}")
-        result = self.registry.run(text)
-        self._tool_error, self._last_ok = not result.ok, result.ok
-        name = result.call.name if result.call else "tool"
-        output = clip(to_charset(result.output), self.max_output_chars)
-        self._last = f"Tool {squash(name)} returned: {output}" if result.ok else f"Tool {squash(name)} failed: {output}"
-        self._tool_output = output  # a failure reads "Error: ..."
-        return Outcome(0.0)
+        results = self._ready if self._ready is not None else run_sync(
+            self.registry.arun_many(self._calls(action), self.session))
+        self._tool_error, self._last_ok = not all(r.ok for r in results), all(r.ok for r in results)
+        self._tool_outputs, lines = [], []
+        for result in results:
+            name = squash(result.call.name if result.call else "tool")
+            output = clip(to_charset(result.output), self.max_output_chars)
+            lines.append(f"Tool {name} returned: {output}" if result.ok else f"Tool {name} failed: {output}")
+            self._tool_outputs.append(output)  # a failure reads "Error: ..."
+        self._last = "\n".join(lines)
+        return Outcome(sum(r.reward for r in results))  # session tools' step rewards (0 for plain tools)
 
-    def step(self, reply: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
-        self._tool_error, self._tool_output = False, None
+    def _step(self, reply: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        self._tool_error, self._tool_outputs = False, None
         obs, reward, terminated, truncated, info = super().step(reply)
         found = find_tagged(reply, TAGS) if not info["is_action_valid"] else None
         if found is not None and found[0] == "tool_call":  # a call that does not parse: still an invalid step
-            try:
-                parse_call(found[1])
-            except ToolError as e:
-                self._tool_output = f"Error: {e}"
+            errors = []
+            for body in find_all_tagged(reply, "tool_call")[: self.max_parallel_calls]:
+                try:
+                    parse_call(body)
+                except ToolError as e:
+                    errors.append(f"Error: {e}")
+            self._tool_outputs = errors or None
         info["tool_error"] = self._tool_error
-        info["tool_output"] = self._tool_output
+        info["tool_outputs"] = self._tool_outputs
         return obs, reward, terminated, truncated, info
 
+    def step(self, reply: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        out = self._step(reply)
+        if out[2] or out[3]:
+            self.session.close_now()
+        return out
+
+    async def astep(self, reply: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        """The step with its tool calls run concurrently on this event loop (async tools do not block the other
+        episodes); the episode's tool instances are released when it ends."""
+        calls = self._calls(self.match_action(reply))
+        self._ready = await self.registry.arun_many(calls, self.session) if calls else None
+        try:
+            out = self._step(reply)
+        finally:
+            self._ready = None
+        if out[2] or out[3]:
+            await self.session.close()
+        return out
+
     def followup_messages(self, observation: str, info: dict[str, Any]) -> list[dict[str, str]]:
-        """A tool's result (or its error) as a `tool` message; after a reply that was neither a tool call nor an
-        answer, a `user` message with the state and the reply format again."""
-        if info.get("tool_output") is not None:
-            return [{"role": "tool", "content": info["tool_output"]}]
+        """Each tool call's result (or its error) as a `tool` message; after a reply that was neither a tool call
+        nor an answer, a `user` message with the state and the reply format again."""
+        if info.get("tool_outputs"):
+            return [{"role": "tool", "content": output} for output in info["tool_outputs"]]
         return [{"role": "user", "content": f"{observation}\nReply with one tool call <tool_call>{{...}}</tool_call> "
                                             "or the final answer <answer>number</answer>."}]
 

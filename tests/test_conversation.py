@@ -444,3 +444,50 @@ def test_step_mode_episodes_still_make_one_row_per_step(tokenizer):
     assert table.schema == RECORD_SCHEMA and table.num_rows == 12
     assert table["prompt_ids"].to_pylist()[:6] == [s.prompt_ids for s in episode.steps]
     assert table["traj_id"].to_pylist() == [8] * 6 + [9] * 6
+
+
+def _task_file(tmp_path, name: str, agent_name: str | None) -> str:
+    import json
+
+    row = {"prompt": [{"role": "user", "content": "What is 2 + 3?"}], "reward_model": {"ground_truth": "5"}}
+    path = tmp_path / f"{name}.jsonl"
+    path.write_text(json.dumps({**row, **({"agent_name": agent_name} if agent_name else {})}) + "\n")
+    return str(path)
+
+
+def test_each_task_row_plays_the_loop_it_names(tmp_path):
+    """verl's agent_name column: a row naming "retry" (mapped to FormatRetry) gets a nudge and a second reply in
+    its first step; a row naming "tool_agent" (mapped by default to the plain conversation) and a row naming none
+    step with each reply. Same replies, same default loop, three task rows."""
+    tokenizer = load_tokenizer("default:tiny")
+    loop = AgentLoop.from_config("conversation", 4096, {"retry": "actors.agent_loops:FormatRetry",
+                                                         "tool_agent": "conversation"})
+    steps = {}
+    for name in ("retry", "tool_agent", None):
+        env = envs.make("math_tool", data=_task_file(tmp_path, str(name), name), split="all")
+        decide = policy_decider(tokenizer, scripted(tokenizer, ["no tags here", "<answer>5</answer>"]),
+                                {"max_tokens": 64, "temperature": 1.0}, max_model_len=8192, loop=loop)
+        episode = asyncio.run(play(env, memory.make("none"), decide, seed=0))
+        assert episode.final_info["won"] and env.agent_name == name
+        steps[name] = episode.conversation.steps
+    assert steps == {"retry": [0, 0], "tool_agent": [0, 1], None: [0, 1]}
+
+
+def test_task_rows_that_name_loops_need_them_mapped_in_conversation_mode(tmp_path):
+    from actors.config import load_train_config
+
+    data = _task_file(tmp_path, "retry", "retry")
+    base = {"env": {"name": "math_tool", "kwargs": {"data": data, "split": "all"}}, "memory": {"name": "none"},
+            "policy": {"max_model_len": 2048}}
+    with pytest.raises(ValueError, match=r"name agent loops \['retry'\] .* set rollout.agent_loop to 'conversation'"):
+        load_train_config(base)
+    with pytest.raises(ValueError, match=r"\['retry'\] that rollout.agent_loops does not map; mapped: \['tool_agent'\]"):
+        load_train_config({**base, "rollout": {"agent_loop": "conversation"}})
+    for loops, message in [({"retry": "step"}, "not 'step'"), ({"retry": "nope:Nope"}, r"agent_loops\['retry'\]: "
+                                                                                        "cannot load agent loop")]:
+        with pytest.raises(ValueError, match=message):
+            load_train_config({**base, "rollout": {"agent_loop": "conversation", "agent_loops": loops}})
+    cfg = load_train_config({**base, "rollout": {"agent_loop": "conversation",
+                                                 "agent_loops": {"retry": "actors.agent_loops:FormatRetry"}}})
+    assert cfg.agent_loop.named == (("retry", "actors.agent_loops:FormatRetry"),)
+    assert cfg.agent_card().loop == cfg.agent_loop  # served and evaluated as trained

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from gymnasium.utils.env_checker import check_env
@@ -247,3 +248,155 @@ def test_a_verl_task_file_of_the_generated_set_plays(tmp_path, suffix) -> None:
         bad.write_text(json.dumps({"prompt": [{"role": "user", "content": "q"}], "reward_model": {}}) + "\n")
         with pytest.raises(ValueError, match="ground_truth"):
             load_problems(bad)
+
+
+# ---- verl's tool YAML, per-sample kwargs, parallel calls -----------------------------------------------------------
+VERL_TOOLS = Path(__file__).resolve().parent.parent / "examples" / "verl_tools.yaml"
+
+
+def _price_tasks(tmp_path, prices: list[dict[str, float]]) -> str:
+    """verl task rows whose extra_info.tools_kwargs give each task its own price list."""
+    path = tmp_path / "priced.jsonl"
+    path.write_text("".join(json.dumps({
+        "prompt": [{"role": "user", "content": f"What do 3 apples cost? (task {i})"}],
+        "reward_model": {"ground_truth": str(3 * p["apple"])},
+        "extra_info": {"tools_kwargs": {"unit_price": {"create_kwargs": {"prices": p}}}}}) + "\n"
+        for i, p in enumerate(prices)))
+    return str(path)
+
+
+def test_a_verl_tool_yaml_loads_verls_builtin_names_and_user_classes() -> None:
+    """verl's GSM8K reward tool maps to raygent's AnswerCheck (verl is not installed); a user class loads by its
+    dotted path; each tool's schema is the YAML's, as the chat template's `tools=` gets it."""
+    import yaml
+
+    from envs.tools import AnswerCheck, SessionTool, load_tools_config
+
+    tools = load_tools_config(VERL_TOOLS)
+    assert [t.name for t in tools] == ["calc_gsm8k_reward", "unit_price"]
+    assert isinstance(tools[0].impl, AnswerCheck) and type(tools[1].impl).__name__ == "UnitPrice"
+    declared = yaml.safe_load(VERL_TOOLS.read_text())["tools"]
+    assert [t.schema() for t in tools] == [{**d["tool_schema"]} for d in declared]
+    assert all(isinstance(t, SessionTool) and not t.cacheable for t in tools)
+    assert tools[1].impl.currency == "coins"  # the YAML's config reached the class
+
+
+@pytest.mark.parametrize(("yaml_text", "message"), [
+    ("tools: []", "needs 'tools'"),
+    ("tools: [{config: {type: native}}]", r"tools\[0\]\.class_name: required"),
+    ("tools: [{class_name: no.such.Tool}]", r"tools\[0\]\.class_name: cannot load 'no.such.Tool'"),
+    ("tools: [{class_name: verl.tools.gsm8k_tool.Gsm8kTool, config: {type: mcp}}]",
+     r"tools\[0\]\.config\.type: 'mcp' is not supported; allowed: 'native'"),
+    ("tools: [{class_name: envs.tools.Search, tool_schema: {type: function, function: {name: s, parameters: "
+     "{type: 5}}}}]", "not a JSON schema"),
+    ("tools: [{class_name: envs.tools.CalculatorArgs}]",
+     r"tools\[0\]: envs.tools.CalculatorArgs\(config, tool_schema\): ValidationError"),
+])
+def test_a_bad_tool_yaml_fails_at_config_time_naming_the_field(tmp_path, yaml_text, message) -> None:
+    from pydantic import ValidationError
+
+    from actors.config import TrainConfig
+
+    path = tmp_path / "tools.yaml"
+    path.write_text(yaml_text)
+    with pytest.raises(ValidationError, match=message):
+        TrainConfig.model_validate({"env": {"name": "math_tool", "kwargs": {"tools_config": str(path)}}})
+
+
+def test_session_tools_get_each_tasks_kwargs_and_are_released(tmp_path) -> None:
+    """One tool instance per episode, created with its task row's tools_kwargs (two tasks, two price lists: a call
+    never answers with the other task's prices), released when the episode ends or is left for a new one;
+    arguments that fail the YAML's JSON schema and a tool that raises are tool messages, not crashes."""
+    data = _price_tasks(tmp_path, [{"apple": 2}, {"apple": 5, "pear": 1}])
+    env = MathTool(data=data, split="all", tools=[], tools_config=str(VERL_TOOLS))
+    unit_price = env.registry.tools["unit_price"].impl
+    seen = {}
+    for seed in range(12):
+        env.reset(seed=seed)
+        _, _, _, _, info = env.step(call("unit_price", item="apple", quantity=3))
+        assert info["tool_outputs"] == [f"{env.problem.answer} coins"] and len(unit_price._prices) == 1
+        seen[env.problem.answer] = True
+        _, _, _, _, info = env.step(call("unit_price", item="apple", quantity=0))
+        assert info["tool_error"] and "quantity: 0 is less than the minimum of 1" in info["tool_outputs"][0]
+        _, _, _, _, info = env.step(call("unit_price", item="plum"))
+        assert info["tool_error"] and "raised ValueError: no price for 'plum'" in info["tool_outputs"][0]
+        if seed % 2:  # finish it: released at the end; else left for the next reset, released there
+            _, reward, terminated, _, _ = env.step(f"<answer>{env.problem.answer}</answer>")
+            assert terminated and reward == 1.0 and unit_price._prices == {}
+    env.reset(seed=0)
+    assert unit_price._prices == {} and set(seen) == {6, 15}
+
+
+def test_verls_gsm8k_reward_tool_checks_the_generated_problems_answer() -> None:
+    env = MathTool(tools=["calculator"], tools_config=str(VERL_TOOLS))
+    env.reset(seed=3)
+    _, _, _, _, info = env.step(call("calc_gsm8k_reward", answer=f"#### {env.problem.answer}"))
+    assert info["tool_outputs"] == [f"answer {env.problem.answer} is correct"]
+    _, _, _, _, info = env.step(call("calc_gsm8k_reward", answer=str(env.problem.answer + 1)))
+    assert info["tool_outputs"] == [f"answer {env.problem.answer + 1} is not correct"]
+
+
+class _Rendezvous:
+    """A verl-interface tool whose calls finish only once `expected` of them are running at the same time (or fail
+    after 10 s): two calls of one reply succeed only if they run concurrently. Answers in verl's other shapes (a
+    (id, response) create, a {"text"} response with a step reward)."""
+
+    def __init__(self, expected: int):
+        import asyncio
+
+        self.expected, self.running, self.all_in = expected, 0, asyncio.Event()
+
+    async def create(self, instance_id=None, **_):
+        return instance_id, None
+
+    async def execute(self, instance_id, parameters, **_):
+        import asyncio
+
+        self.running += 1
+        if self.running >= self.expected:
+            self.all_in.set()
+        await asyncio.wait_for(self.all_in.wait(), 10)
+        return {"text": f"echo {parameters['text']}"}, 0.25, {}
+
+
+def test_the_calls_of_one_reply_run_concurrently_and_answer_in_order() -> None:
+    """Two calls in one reply run at once (the rendezvous needs both in flight), their results come back in call
+    order as two `tool` messages, and their step rewards add up; with the default limit of one call per reply the
+    second is ignored."""
+    import asyncio
+
+    from envs.tools import FunctionToolSchema, SessionTool
+
+    schema = FunctionToolSchema.model_validate({"type": "function", "function": {
+        "name": "echo", "parameters": {"type": "object", "properties": {"text": {"type": "string"}}}}})
+    reply = call("echo", text="a") + "\n" + call("echo", text="b")
+    with pytest.raises(ValueError, match="no async create"):
+        SessionTool(object(), schema)
+    env = MathTool(registry=ToolRegistry([SessionTool(_Rendezvous(2), schema)]), max_parallel_calls=2)
+    env.reset(seed=1)
+    _, reward, _, _, info = asyncio.run(env.astep(reply))
+    assert info["is_action_valid"] and not info["tool_error"] and reward == 0.5
+    assert env.followup_messages("", info) == [{"role": "tool", "content": "echo a"},
+                                               {"role": "tool", "content": "echo b"}]
+    single = MathTool(registry=ToolRegistry([SessionTool(_Rendezvous(1), schema)]))
+    single.reset(seed=1)
+    _, _, _, _, info = asyncio.run(single.astep(reply))
+    assert info["action"] == call("echo", text="a") and info["tool_outputs"] == ["echo a"]
+
+
+def test_a_cached_result_never_crosses_tasks_with_other_kwargs() -> None:
+    """A pure tool's cache is keyed by the trajectory's kwargs for it too."""
+    from envs.tools import ToolSession
+
+    seen = []
+
+    def lookup(key: str) -> str:
+        seen.append(key)
+        return f"value {len(seen)}"
+
+    reg = ToolRegistry([tool(lookup)])
+    first, second = ToolSession({"lookup": {"create_kwargs": {"table": 1}}}), ToolSession(
+        {"lookup": {"create_kwargs": {"table": 2}}})
+    assert reg.run(ToolCall("lookup", {"key": "k"}), first).output == "value 1"
+    assert reg.run(ToolCall("lookup", {"key": "k"}), first).cached
+    assert reg.run(ToolCall("lookup", {"key": "k"}), second).output == "value 2"

@@ -26,6 +26,8 @@ class Problem:
     question: str
     answer: int
     expression: str = ""  # what the calculator should be asked; empty for loaded problems
+    tools_kwargs: str = ""  # a task row's per-sample tool arguments (verl's extra_info.tools_kwargs), as JSON
+    agent_name: str = ""  # the conversation loop the row names (verl's agent_name column); "" for none
 
 
 def _wrap(expr: str) -> str:
@@ -120,7 +122,12 @@ def _problem(row: dict[str, Any], where: str) -> Problem:
         if not question or truth is None or parse_number(str(truth)) is None:
             raise ValueError(f"{where}: a task row needs a user message in 'prompt' and a numeric "
                              "reward_model.ground_truth")
-        return Problem(str(question), _number(parse_number(str(truth))), str(extra.get("expression") or ""))
+        kwargs = extra.get("tools_kwargs") or {}
+        if not isinstance(kwargs, dict):
+            raise ValueError(f"{where}: extra_info.tools_kwargs must be an object of {{tool name: {{create_kwargs, "
+                             "execute_kwargs}}")
+        return Problem(str(question), _number(parse_number(str(truth))), str(extra.get("expression") or ""),
+                       json.dumps(kwargs, sort_keys=True) if kwargs else "", str(row.get("agent_name") or ""))
     m = _FINAL.search(str(row.get("answer", "")))
     if "question" not in row or m is None:
         raise ValueError(f"{where} needs 'question' and an 'answer' ending in '#### N' (GSM8K), or 'prompt' and "
@@ -138,12 +145,16 @@ def load_problems(path: str | Path) -> list[Problem]:
 
 def task_row(problem: Problem, index: int, split: str) -> dict[str, Any]:
     """A problem as a verl task row (GSM8K multi-turn layout): the chat prompt, the reward's ground truth, and
-    extra_info with the question, the solving expression (the expert's calculator call) and the split."""
-    return {"data_source": "raygent/arithmetic",
+    extra_info with the question, the solving expression (the expert's calculator call), the split and the
+    per-sample tool arguments (verl's GSM8K reward tool, `calc_gsm8k_reward`, is given the ground truth, as verl's
+    own GSM8K multi-turn rows give it)."""
+    kwargs = json.loads(problem.tools_kwargs) if problem.tools_kwargs else {
+        "calc_gsm8k_reward": {"create_kwargs": {"ground_truth": str(problem.answer)}}}
+    return {"data_source": "raygent/arithmetic", **({"agent_name": problem.agent_name} if problem.agent_name else {}),
             "prompt": [{"role": "user", "content": problem.question}],
             "ability": "math", "reward_model": {"style": "rule", "ground_truth": str(problem.answer)},
             "extra_info": {"split": split, "index": index, "question": problem.question,
-                           "expression": problem.expression}}
+                           "expression": problem.expression, "tools_kwargs": kwargs}}
 
 
 def write_tasks(path: str | Path, n: int, split: str = "train", seed: int = 0) -> Path:
