@@ -12,6 +12,9 @@ How calls become training rows (`AgentTrajectory`):
   the calls merge into one conversation row (mask 1 on the model's tokens only);
 - any other call (the agent rewrote or summarised its history, changed its tools, or the merged row would pass
   `rollout.conversation_tokens`) starts a new row, its prompt rendered from the messages;
+- a Responses API call (`/v1/responses`, what the OpenAI Agents SDK speaks by default) is read as the chat call it
+  means (`actors.openai_api.responses_chat`: instructions, input items, function calls and their outputs;
+  `previous_response_id` names an earlier call of the trajectory), so it merges as a chat call does;
 - a completion call (`/v1/completions`, a text prompt) extends the previous one where its prompt is the previous
   prompt and reply followed by more text: the new text's tokens follow the engine's. Every row of a trajectory
   gets the trajectory's reward; `train/gateway_merged_share` counts the trajectories that stayed one row.
@@ -55,10 +58,14 @@ from actors.openai_api import (
     BadRequest,
     ChatCompletionRequest,
     CompletionRequest,
+    ResponsesRequest,
     add_error_handlers,
     chat_choice,
     chat_stream,
     completion_stream,
+    response_body,
+    responses_chat,
+    responses_stream,
     token_usage,
 )
 from actors.tool_chat import call_arguments, encode_tool_chat
@@ -131,6 +138,7 @@ class AgentTrajectory:
     splits: dict[str, int] = field(default_factory=dict)  # why a call started a new row, counted
     ended: str | None = None  # set when the trajectory is over: later calls are refused
     last_messages: list[dict[str, Any]] = field(default_factory=list)  # the last call's messages and reply
+    responses: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # a Responses call's id: its messages
     _calls: list[_Call] = field(default_factory=list)
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
@@ -290,8 +298,8 @@ class AgentLLM:
 
 class Gateway:
     """The OpenAI-compatible server of one env-group actor, on 127.0.0.1 and a free port, run in the actor's own event
-    loop (uvicorn; started by `start`). `/t/{trajectory}/v1/chat/completions`, `.../v1/completions` and
-    `.../v1/models`: each open trajectory (`open`) has its own base URL."""
+    loop (uvicorn; started by `start`). `/t/{trajectory}/v1/chat/completions`, `.../v1/responses`,
+    `.../v1/completions` and `.../v1/models`: each open trajectory (`open`) has its own base URL."""
 
     def __init__(self) -> None:
         self.trajectories: dict[str, AgentTrajectory] = {}
@@ -326,6 +334,24 @@ class Gateway:
             return {"id": rid, "object": "chat.completion", "created": created, "model": MODEL_NAME,
                     "choices": [out["choice"]], "usage": out["usage"],
                     "system_fingerprint": f"v{out['weight_version']}"}
+
+        @app.post("/t/{tid}/v1/responses")
+        async def responses(tid: str, req: ResponsesRequest) -> Any:
+            t = trajectory(tid)
+            previous = None
+            if req.previous_response_id is not None:
+                if req.previous_response_id not in t.responses:
+                    raise BadRequest(f"no response {req.previous_response_id!r} in this trajectory",
+                                     "previous_response_id", 404)
+                previous = t.responses[req.previous_response_id]
+            out = await t.chat_completion(responses_chat(req, previous))
+            rid = f"resp_{uuid.uuid4().hex}"
+            t.responses[rid] = t.last_messages
+            body = response_body(rid, int(time.time()), MODEL_NAME, out["choice"], out["usage"], req,
+                                 out["weight_version"])
+            if req.stream:
+                return StreamingResponse(responses_stream(body), media_type="text/event-stream")
+            return body
 
         @app.post("/t/{tid}/v1/completions")
         async def completions(tid: str, req: CompletionRequest) -> Any:

@@ -234,3 +234,158 @@ async def completion_stream(rid: str, created: int, model: str, choices: list[di
         yield sse({**base, "choices": [{"index": c["index"], "text": c["text"], "logprobs": c["logprobs"],
                                          "finish_reason": c["finish_reason"]}]})
     yield "data: [DONE]\n\n"
+
+
+# ---- the Responses API (what the OpenAI Agents SDK speaks by default), as chat underneath -------------------------
+class ResponsesRequest(StrictModel):
+    """`POST /v1/responses`: input items are read as chat messages (`responses_chat`), the reply is a chat reply
+    written back as output items (`response_body`). Fields the servers do not use (`store`, `include`, `reasoning`,
+    `metadata`, ...) are ignored."""
+
+    model: str | None = None
+    input: str | list[dict[str, Any]] = Field(min_length=1)
+    instructions: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    parallel_tool_calls: bool | None = None
+    previous_response_id: str | None = None
+    stream: bool = False
+
+
+def _item_text(content: Any, where: str) -> str:
+    """The text of a message's content: a string, or parts of type input_text / output_text / text."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise BadRequest(f"{where}: content must be a string or a list of text parts", where)
+    texts = []
+    for k, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
+            raise BadRequest(f"{where}[{k}].type: {kind!r} is not supported; allowed: input_text, output_text "
+                             "(text parts with a 'text' string)", f"{where}[{k}]")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def responses_chat(req: ResponsesRequest, previous: list[dict[str, Any]] | None = None) -> ChatCompletionRequest:
+    """The chat request a Responses request means: `instructions` as the system message, then `previous` (the
+    messages of `previous_response_id`, its own instructions left out, as the Responses API does), then the input
+    items: messages (`developer` read as `system`), `function_call` items as the assistant's tool calls (joined to
+    the assistant message just before them), `function_call_output` items as tool messages; `reasoning` items are
+    skipped. Anything else is a BadRequest naming the item."""
+    messages: list[dict[str, Any]] = [{"role": "system", "content": req.instructions}] if req.instructions else []
+    messages += [m for m in previous or [] if m["role"] != "system"]
+    items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
+    joinable = False  # the last message is an assistant message of these items: function calls join it
+    for i, item in enumerate(items):
+        where, kind = f"input[{i}]", item.get("type", "message")
+        if kind == "message":
+            role = {"developer": "system"}.get(item.get("role"), item.get("role"))
+            if role not in ("system", "user", "assistant"):
+                raise BadRequest(f"{where}.role: {item.get('role')!r}; allowed: system, developer, user, assistant",
+                                 f"{where}.role")
+            messages.append({"role": role, "content": _item_text(item.get("content"), f"{where}.content")})
+            joinable = role == "assistant"
+        elif kind == "function_call":
+            if not isinstance(item.get("name"), str) or not isinstance(item.get("call_id"), str):
+                raise BadRequest(f"{where}: a function_call needs 'name' and 'call_id'", where)
+            call = {"id": item["call_id"], "type": "function",
+                    "function": {"name": item["name"], "arguments": item.get("arguments") or "{}"}}
+            if joinable:
+                messages[-1].setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                joinable = True
+        elif kind == "function_call_output":
+            output = item.get("output")
+            messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
+                             "content": output if isinstance(output, str) else _item_text(output, f"{where}.output")})
+            joinable = False
+        elif kind == "reasoning":
+            continue
+        else:
+            raise BadRequest(f"{where}.type: {kind!r} is not supported; allowed: message, function_call, "
+                             "function_call_output, reasoning", f"{where}.type")
+    tools = []
+    for i, tool in enumerate(req.tools or []):
+        if tool.get("type") != "function":
+            raise BadRequest(f"tools[{i}].type: {tool.get('type')!r} is not supported; allowed: function",
+                             f"tools[{i}].type")
+        tools.append({"type": "function", "function": {k: tool[k] for k in ("name", "description", "parameters")
+                                                       if tool.get(k) is not None}})
+    choice: Any = req.tool_choice
+    if isinstance(choice, dict):
+        if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+            raise BadRequest("tool_choice: a function is named as {\"type\": \"function\", \"name\": ...}",
+                             "tool_choice")
+        choice = {"type": "function", "function": {"name": choice["name"]}}
+    body = {"model": req.model, "messages": messages, "tools": tools or None, "tool_choice": choice,
+            "max_tokens": req.max_output_tokens, "temperature": req.temperature, "top_p": req.top_p}
+    try:
+        return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
+    except ValueError as e:  # pydantic's ValidationError: the chat form of the items is invalid
+        errors = getattr(e, "errors", lambda: [])()
+        first = errors[0] if errors else {"loc": (), "msg": str(e)}
+        raise BadRequest(f"invalid request: {'.'.join(map(str, first['loc']))}: {first['msg']}", "input") from None
+
+
+def response_body(rid: str, created: int, model: str, choice: dict[str, Any], usage: dict[str, int],
+                  req: ResponsesRequest, weight_version: int) -> dict[str, Any]:
+    """A Responses API response from a chat choice: its text as a `message` item, each tool call as a
+    `function_call` item (the call id kept, so the next request's `function_call_output` names it)."""
+    message, output = choice["message"], []
+    if message.get("content") or not message.get("tool_calls"):
+        output.append({"type": "message", "id": f"msg_{rid[5:]}", "status": "completed", "role": "assistant",
+                       "content": [{"type": "output_text", "text": message.get("content") or "", "annotations": [],
+                                    "logprobs": []}]})
+    for k, call in enumerate(message.get("tool_calls") or []):
+        output.append({"type": "function_call", "id": f"fc_{rid[5:]}_{k}", "call_id": call["id"],
+                       "name": call["function"]["name"], "arguments": call["function"]["arguments"],
+                       "status": "completed"})
+    cut = choice["finish_reason"] == "length"
+    return {"id": rid, "object": "response", "created_at": created, "model": model, "output": output,
+            "status": "incomplete" if cut else "completed",
+            "incomplete_details": {"reason": "max_output_tokens"} if cut else None, "error": None,
+            "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
+            "previous_response_id": req.previous_response_id, "parallel_tool_calls": True,
+            "tool_choice": req.tool_choice or "auto", "tools": req.tools or [], "temperature": req.temperature,
+            "top_p": req.top_p, "text": {"format": {"type": "text"}}, "truncation": "disabled",
+            "metadata": {"weight_version": str(weight_version)},
+            "usage": {"input_tokens": usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": 0},
+                      "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+                      "total_tokens": usage["total_tokens"]}}
+
+
+async def responses_stream(body: dict[str, Any]):
+    """The Responses API's server-sent events for a finished response: created, each output item added, its text
+    or arguments (one delta each) and done, then completed."""
+    n = 0
+
+    def event(kind: str, **fields: Any) -> str:
+        nonlocal n
+        n += 1
+        return f"event: {kind}\n" + sse({"type": kind, "sequence_number": n - 1, **fields})
+
+    yield event("response.created", response={**body, "status": "in_progress", "output": []})
+    for i, item in enumerate(body["output"]):
+        yield event("response.output_item.added", output_index=i,
+                    item={**item, "status": "in_progress", **({"content": []} if item["type"] == "message" else
+                                                                {"arguments": ""})})
+        if item["type"] == "message":
+            part = item["content"][0]
+            ids = {"item_id": item["id"], "output_index": i, "content_index": 0}
+            yield event("response.content_part.added", **ids, part={**part, "text": ""})
+            yield event("response.output_text.delta", **ids, delta=part["text"], logprobs=[])
+            yield event("response.output_text.done", **ids, text=part["text"], logprobs=[])
+            yield event("response.content_part.done", **ids, part=part)
+        else:
+            ids = {"item_id": item["id"], "output_index": i}
+            yield event("response.function_call_arguments.delta", **ids, delta=item["arguments"])
+            yield event("response.function_call_arguments.done", **ids, arguments=item["arguments"],
+                        name=item["name"])
+        yield event("response.output_item.done", output_index=i, item=item)
+    yield event("response.completed" if body["status"] == "completed" else "response.incomplete", response=body)

@@ -1,6 +1,7 @@
 """The agent endpoint's OpenAI-compatible routes: `GET /v1/models`, `POST /v1/chat/completions` (log-probs,
-streaming, tools and tool calls: `actors.tool_chat`) and `POST /v1/completions`, as a part of the AgentAPI ingress (app/agent.py): the policy replicas behind
-the one name the server serves."""
+streaming, tools and tool calls: `actors.tool_chat`), `POST /v1/responses` (the Responses API read as the chat call
+it means; this server keeps no responses, so `previous_response_id` is refused) and `POST /v1/completions`, as a part
+of the AgentAPI ingress (app/agent.py): the policy replicas behind the one name the server serves."""
 
 from __future__ import annotations
 
@@ -16,9 +17,13 @@ from actors.openai_api import (
     BadRequest,
     ChatCompletionRequest,
     CompletionRequest,
+    ResponsesRequest,
     chat_choice,
     chat_stream,
     completion_stream,
+    response_body,
+    responses_chat,
+    responses_stream,
     token_usage,
 )
 from actors.tool_chat import encode_tool_chat
@@ -90,21 +95,38 @@ class OpenAIRoutes:
         head = json.dumps([m.model_dump(exclude_none=True) for m in req.messages[:2]], sort_keys=True)
         return zlib.crc32(head.encode()) & 0x7FFFFFFF
 
-    @fastapi_app.post("/v1/chat/completions", responses=STREAMABLE)
-    async def chat_completions(self, req: ChatCompletionRequest):
+    async def _chat(self, req: ChatCompletionRequest) -> tuple[list[dict[str, Any]], dict[str, int], int]:
+        """The choices of a chat request, its token usage and the weight version that answered."""
         self._check_model(req.model)
         sampling = self._sampling(req, req.max_completion_tokens or req.max_tokens)
         prompt, tool_names = self._chat_prompt(req)
         replies = await self._generate([prompt] * req.n, sampling, affinity=self._conversation_key(req))
-        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         choices = [chat_choice(i, r, tool_names, self._token_strings(r["token_ids"]) if req.logprobs else None)
                    for i, r in enumerate(replies)]
-        usage = token_usage(replies)
+        return choices, token_usage(replies), int(replies[0].get("weight_version", 0))
+
+    @fastapi_app.post("/v1/chat/completions", responses=STREAMABLE)
+    async def chat_completions(self, req: ChatCompletionRequest):
+        choices, usage, version = await self._chat(req)
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if req.stream:
             return StreamingResponse(chat_stream(rid, created, self.model_name, choices, usage),
                                      media_type="text/event-stream")
         return {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name,
-                "choices": choices, "usage": usage, "system_fingerprint": f"v{replies[0]['weight_version']}"}
+                "choices": choices, "usage": usage, "system_fingerprint": f"v{version}"}
+
+    @fastapi_app.post("/v1/responses", responses=STREAMABLE)
+    async def responses(self, req: ResponsesRequest):
+        if req.previous_response_id is not None:
+            raise BadRequest("previous_response_id: this server keeps no responses; send the whole input",
+                             "previous_response_id")
+        self._check_model(req.model)
+        choices, usage, version = await self._chat(responses_chat(req))
+        body = response_body(f"resp_{uuid.uuid4().hex}", int(time.time()), self.model_name, choices[0], usage, req,
+                              version)
+        if req.stream:
+            return StreamingResponse(responses_stream(body), media_type="text/event-stream")
+        return body
 
     @fastapi_app.post("/v1/completions", responses=STREAMABLE)
     async def completions(self, req: CompletionRequest):

@@ -96,6 +96,28 @@ def test_openai_client_sends_tools_tool_calls_and_tool_results(openai_client, cl
     assert streamed == (c.message.content or "") or c.message.tool_calls
 
 
+def test_the_responses_api_answers_as_the_chat_route_does(openai_client):
+    """`/v1/responses` (the Agents SDK's default API) is the chat call it means: greedy, the same input as a chat
+    request gets the same text, whole and streamed, and a function tool is offered the same way."""
+    name = openai_client.models.list().data[0].id
+    question = "Sokoban: move the box."
+    chat = openai_client.chat.completions.create(model=name, max_tokens=8, temperature=0.0, messages=[
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": question}])
+    response = openai_client.responses.create(model=name, instructions="Be brief.", input=question,
+                                              max_output_tokens=8, temperature=0.0)
+    assert response.output_text == chat.choices[0].message.content
+    assert response.usage.output_tokens == chat.usage.completion_tokens
+    assert response.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
+    events = list(openai_client.responses.create(model=name, instructions="Be brief.", input=question,
+                                                 max_output_tokens=8, temperature=0.0, stream=True))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == response.output_text
+    tool = {"type": "function", "name": "calculator", "description": "Evaluate arithmetic.",
+            "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}}}
+    offered = openai_client.responses.create(model=name, input="What is 12 * 7?", tools=[tool], max_output_tokens=8,
+                                             temperature=0.0)
+    assert all(item.type in ("message", "function_call") for item in offered.output) and offered.output
+
+
 def test_concurrent_http_requests(openai_client):
     def ask(i: int) -> str:
         r = openai_client.chat.completions.create(model=openai_client.models.list().data[0].id,
@@ -209,6 +231,10 @@ BAD_REQUESTS = [
         {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {
             "name": "calculator", "arguments": "{not json"}}]}, {"role": "tool", "content": "1"}],
         "tools": [{"type": "function", "function": {"name": "calculator"}}]}).encode(), 400, "not valid JSON"),
+    ("POST", "/v1/responses", {}, json.dumps({"input": "x", "previous_response_id": "resp_1"}).encode(), 400,
+     "keeps no responses"),
+    ("POST", "/v1/responses", {}, json.dumps({"input": [{"type": "file_search_call"}]}).encode(), 400,
+     "input[0].type: 'file_search_call' is not supported"),
     ("POST", "/v1/completions", {}, json.dumps({"prompt": ""}).encode(), 400, "prompt"),
     # found by schemathesis: an empty stop string reached vLLM's SamplingParams and came back a 500
     ("POST", "/v1/completions", {}, json.dumps({"prompt": "x", "stop": ["a", ""]}).encode(), 400, "stop"),
@@ -249,7 +275,7 @@ def test_openapi_declares_what_the_routes_return(agent):
             if method == "post":
                 assert {"400", "411", "413"} <= codes, (path, codes)
     assert "409" in doc["paths"]["/v1/act"]["post"]["responses"]
-    for path in ("/v1/chat/completions", "/v1/completions"):  # `stream: true` answers server-sent events
+    for path in ("/v1/chat/completions", "/v1/responses", "/v1/completions"):  # `stream: true`: SSE
         assert {"application/json", "text/event-stream"} <= set(doc["paths"][path]["post"]["responses"]["200"][
             "content"]), path
     # what a real stream sends, parsed into events the way schemathesis does, meets the declared per-event schema

@@ -282,6 +282,59 @@ def test_completion_calls_that_extend_their_text_merge_and_others_start_a_row(to
     assert t.generate.calls[1] == merged.ids[:len(merged.prompt_ids) + merged.turns[1][0]]
 
 
+RESPONSES_TOOL = {"type": "function", **CALCULATOR["function"]}  # the Responses API's flat function tool
+
+
+def test_responses_calls_merge_as_chat_calls_streamed_or_not_and_bad_items_are_4xx(tokenizer):
+    """`/v1/responses` with the `openai` client: a function_call item comes back with its call id; the next call
+    re-sends the items with the tool's output (and the one after names `previous_response_id` instead), streamed
+    the last time; all three merge into one row, as the same chat calls do. Items and tools the gateway cannot
+    read, and an unknown previous response, are 4xx naming what is wrong."""
+    seen = {}
+
+    async def agent(task, llm):
+        client = llm.client()
+        items = [{"role": "user", "content": task["prompt"][0]["content"]}]
+        first = await client.responses.create(model=llm.model, instructions="Use the calculator.", input=items,
+                                              tools=[RESPONSES_TOOL])
+        (call,) = first.output
+        seen["first"] = call
+        items += [call.model_dump(exclude_none=True), {"type": "function_call_output", "call_id": call.call_id,
+                                                       "output": "5"}]
+        second = await client.responses.create(model=llm.model, instructions="Use the calculator.", input=items,
+                                               tools=[RESPONSES_TOOL])
+        (again,) = second.output
+        events = [e async for e in await client.responses.create(
+            model=llm.model, instructions="Use the calculator.", previous_response_id=second.id, tools=[RESPONSES_TOOL],
+            input=[{"type": "function_call_output", "call_id": again.call_id, "output": "5"}], stream=True)]
+        seen["events"] = [e.type for e in events]
+        seen["final"] = events[-1].response
+        async with httpx.AsyncClient(base_url=llm.base_url, timeout=30) as http:
+            seen["image"] = await http.post("/responses", json={"input": [{"role": "user", "content": [
+                {"type": "input_image", "image_url": "x"}]}]})
+            seen["hosted"] = await http.post("/responses", json={"input": "hi", "tools": [{"type": "web_search"}]})
+            seen["unknown"] = await http.post("/responses", json={"input": "hi", "previous_response_id": "resp_x"})
+        return 1.0
+
+    t = trajectory(tokenizer, [CALL, CALL, "It is <answer>5</answer>"])
+    (episode,) = run_agent(agent, [t])
+    assert episode.ended == "terminated" and len(episode.steps) == 3
+    assert len(episode.segments) == 1 and not t.splits, (t.splits, t.last_messages)
+    first = seen["first"]
+    assert first.type == "function_call" and first.name == "calculator" and first.call_id.startswith("call_")
+    assert json.loads(first.arguments) == {"expression": "2 + 3"}
+    assert seen["events"][0] == "response.created" and seen["events"][-1] == "response.completed"
+    assert "response.output_text.delta" in seen["events"]
+    assert seen["final"].output_text == "It is <answer>5</answer>" and seen["final"].usage.output_tokens > 0
+    c = episode.segments[0]
+    assert [c.response_ids[a:b] for a, b in c.turns] == [s.response_ids for s in episode.steps]
+    assert seen["image"].status_code == 400 and "input[0].content[0].type: 'input_image'" in \
+        seen["image"].json()["error"]["message"]
+    assert seen["hosted"].status_code == 400 and "tools[0].type: 'web_search'" in seen["hosted"].json()["error"][
+        "message"]
+    assert seen["unknown"].status_code == 404 and "resp_x" in seen["unknown"].json()["error"]["message"]
+
+
 def test_a_config_that_cannot_play_a_users_agent_fails_naming_the_field():
     import yaml
 
