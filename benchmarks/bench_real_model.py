@@ -7,7 +7,9 @@ held-out success of the untrained model, after the warm start and after RL (the 
 std over seeds, and RL's gain over where RL started. The curves of every seed go to one PNG.
 
 Usage (from the repo root):  python benchmarks/bench_real_model.py [--minutes 60] [--seeds 0,1,2] [--set K=V ...]
-Writes benchmarks/results/real_model_numberline.json and .png (rewritten after every seed).
+                             [--name NAME] [--append]
+Writes benchmarks/results/real_model_numberline.json (or NAME.json) and .png, rewritten after every seed; with
+--append the seeds already there are kept, so a long benchmark can run a seed at a time.
 """
 
 from __future__ import annotations
@@ -66,9 +68,18 @@ def main() -> None:
     parser.add_argument("--minutes", type=float, default=60.0, help="wall-clock budget per seed, start-up included")
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--name", default=NAME, help="the results' file name (benchmarks/results/NAME.json, .png)")
+    parser.add_argument("--append", action="store_true",
+                        help="keep the seeds already in NAME.json (same minutes and overrides): seeds run in turns")
     args = parser.parse_args()
     overrides = {k: yaml.safe_load(v) for k, v in (s.split("=", 1) for s in args.set)}
     runs: dict[str, dict[str, Any]] = {}
+    previous = RESULTS / f"{args.name}.json"
+    if args.append and previous.exists():
+        kept = json.loads(previous.read_text())
+        if kept["minutes_per_seed"] != args.minutes or kept["overrides"] != overrides:
+            raise SystemExit(f"{previous} ran {kept['minutes_per_seed']} min with {kept['overrides']}: not comparable")
+        runs = kept["runs"]
     work = Path(tempfile.mkdtemp(prefix="raygent-bench-real-model-"))
     for seed in [int(s) for s in args.seeds.split(",")]:
         print(f"seed {seed}: {CONFIG.name} for {args.minutes} min", flush=True)
@@ -88,13 +99,13 @@ def main() -> None:
                "rl_gain": stats(gains),
                "rl_iterations": [r["run"]["iterations"] for r in runs.values()], "runs": runs}
         RESULTS.mkdir(parents=True, exist_ok=True)
-        (RESULTS / f"{NAME}.json").write_text(json.dumps(out, indent=1) + "\n")
-        plot(runs, RESULTS / f"{NAME}.png")
+        (RESULTS / f"{args.name}.json").write_text(json.dumps(out, indent=1) + "\n")
+        plot(runs, RESULTS / f"{args.name}.png")
         s = runs[str(seed)]["summary"]
         print(f"seed {seed}: untrained {s['untrained_success']}, warm start {s['warm_start_final_success']}, RL final "
               f"{s['rl_final_success']} (best {s['rl_best_success']}) after {run['iterations']} iterations", flush=True)
     print(f"after RL {out['after_rl']['mean']} +- {out['after_rl']['std']}; RL gain {out['rl_gain']['mean']} +- "
-          f"{out['rl_gain']['std']}; wrote benchmarks/results/{NAME}.json and .png")
+          f"{out['rl_gain']['std']}; wrote benchmarks/results/{args.name}.json and .png")
 
 
 if __name__ == "__main__":
