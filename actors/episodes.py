@@ -17,7 +17,6 @@ never sample alike, and the same (env seed, sampling seed) replays the same epis
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import functools
 import importlib
 import time
@@ -30,6 +29,7 @@ import numpy as np
 
 from actors.conversation import STEP, AgentLoop, Conversation, ConversationOver, chat_deltas, next_turn
 from actors.prompting import agent_messages, encode_prompt
+from envs.tools import run_sync  # noqa: F401  (the runner's callers import it from here)
 
 Generate = Callable[[list[int], dict[str, Any]], Awaitable[dict[str, Any]]]
 
@@ -185,18 +185,6 @@ async def play_all(make: Callable[[int], tuple[Any, Any, Decide, int, int | None
         return episode
 
     return list(await asyncio.gather(*(one(i) for i in range(n))))
-
-
-def run_sync(coroutine: Awaitable[Any]) -> Any:
-    """Run the runner from synchronous code (scripts, `raygent sft`, the tokenizer corpus). Synchronous code can
-    itself be running inside an event loop (a Serve replica's constructor building the default model), where
-    asyncio.run refuses: then the coroutine runs on its own loop in a worker thread."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coroutine)  # type: ignore[arg-type]
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        return pool.submit(asyncio.run, coroutine).result()  # type: ignore[arg-type]
 
 
 class BusyClock:

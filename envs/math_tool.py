@@ -86,6 +86,9 @@ class MathTool(TextEnv):
             self.registry.register(session_tool)
         self.max_output_chars = max_output_chars
         self.max_parallel_calls = max_parallel_calls
+        # each tool's call with "..." for its arguments, rendered once (admissible_actions runs every step)
+        self._call_shapes = [render_call(ToolCall(t.name, dict.fromkeys(
+            t.schema()["function"]["parameters"].get("properties", {}), "..."))) for t in self.registry.tools.values()]
         self.problem = Problem("", 0)
         self.session = ToolSession()
         self._last: str | None = None
@@ -128,10 +131,7 @@ class MathTool(TextEnv):
         return clip(text, self.observation_space.max_length)
 
     def admissible_actions(self) -> list[str]:
-        calls = [render_call(ToolCall(t.name, dict.fromkeys(t.schema()["function"]["parameters"].get("properties", {}),
-                                                            "...")))
-                 for t in self.registry.tools.values()]
-        return [*calls, "<answer>...</answer>"]
+        return [*self._call_shapes, "<answer>...</answer>"]
 
     def match_action(self, reply: str) -> str | None:
         """The canonical action in a raw reply: its tool calls (the first `max_parallel_calls`) re-serialised, one

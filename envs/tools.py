@@ -409,8 +409,10 @@ class ToolSession:
 
 
 def run_sync(coroutine: Awaitable[T]) -> T:
-    """Run a coroutine to its end from synchronous code: on this thread, or (when this thread already runs an event
-    loop, e.g. `env.step` called inside an async actor) on a helper thread, waiting for it."""
+    """Run a coroutine to its end from synchronous code: on this thread, or, where this thread already runs an event
+    loop (asyncio.run refuses there: `env.step` inside an async actor, a Serve replica's constructor building the
+    default model), on its own loop in a helper thread, waiting for it. The one such helper: the episode runner's
+    synchronous callers use it too (`actors.episodes`)."""
     try:
         asyncio.get_running_loop()
     except RuntimeError:
