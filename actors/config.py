@@ -347,6 +347,9 @@ class TrainerConfig(_Section):
     num_workers: int = Field(2, ge=1)
     strategy: Literal["fsdp", "ddp", "none"] = Field("fsdp", description="fsdp = FSDP2 fully_shard per layer")
     cpus_per_worker: float = Field(0.2, gt=0, description="logical CPUs per worker (see rollout.env_actor_cpus)")
+    threads_per_worker: int = Field(1, ge=1, description="torch threads of each worker's compute (on CPU: 1 worker "
+                                                         "with 2 threads updates faster than 2 workers with 1, "
+                                                         "docs/real-model.md)")
     use_gpu: bool = False
     mixed_precision: Literal["fp32", "bf16"] = Field(
         "fp32", description="bf16: compute in bfloat16 with float32 master weights and float32 gradient reduction "
@@ -739,8 +742,8 @@ class AgentCard(_Section):
 # update independent of micro-batch size and worker count). Anything else would silently train another objective.
 RESUMABLE_CHANGES = (
     "iterations", "checkpoint", "logging", "validation.every", "trainer.num_workers", "trainer.strategy",
-    "trainer.cpus_per_worker", "trainer.task_timeout_s", "trainer.stall_timeout_s", "trainer.max_restarts",
-    "trainer.activation_checkpointing", "optim.micro_batch_size", "rollout.num_env_actors", "rollout.env_actor_cpus",
+    "trainer.cpus_per_worker", "trainer.threads_per_worker", "trainer.task_timeout_s", "trainer.stall_timeout_s",
+    "trainer.max_restarts", "trainer.activation_checkpointing", "optim.micro_batch_size", "rollout.num_env_actors", "rollout.env_actor_cpus",
     "rollout.requests_per_step", "rollout.route_by_group", "policy.engine", "policy.max_batch_size", "policy.batch_wait_timeout_s",
     "policy.kv_cache_bytes", "policy.gpu_memory_utilization", "policy.log_level", "output_dir", "weight_sync",
     "placement",

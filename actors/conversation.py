@@ -22,8 +22,10 @@ Limits, each ending the episode with its reason recorded (`Episode.ended`), neve
 - `prompt_too_long`: the whole conversation plus the next reply's room would pass the model's context;
 - the env's own step limit is the limit on assistant turns, as in step mode.
 
-Templates that do not read `tools` (both built-in models' templates use only role and content) get tool results
-the hermes way: a `user` turn holding `<tool_response>...</tool_response>`; `tool_messages` says which is used.
+The first messages are the env's (`env.first_messages`); its tools' schemas (`env.tool_schemas`) go to the
+template's `tools=`. Templates that do not read `tools` (both built-in models' templates use only role and content)
+get the tools described in the env's messages, and tool results the hermes way: a `user` turn holding
+`<tool_response>...</tool_response>`; `tool_messages` says which is used.
 """
 
 from __future__ import annotations
@@ -107,8 +109,10 @@ class ChatDeltas:
         self._turn_tail = closed[end + len("A" + eos):]  # what the template writes after the EOS (ChatML: "\n")
         self._closed_stand_in = closed
 
-    def _render(self, messages: list[dict[str, Any]], generation: bool) -> str:
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation, tokenize=False)
+    def _render(self, messages: list[dict[str, Any]], generation: bool,
+                tools: list[dict[str, Any]] | None = None) -> str:
+        return self.tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=generation,
+                                                  tokenize=False)
 
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
@@ -119,8 +123,11 @@ class ChatDeltas:
             return messages
         return [hermes_tool_result(m["content"]) if m["role"] == "tool" else m for m in messages]
 
-    def first_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
-        return self._encode(self._render(self.as_template_messages(messages), generation=True))
+    def first_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """The conversation's first prompt; `tools` (OpenAI function schemas) go to a template that reads them (the
+        env's `first_messages` describe them to one that does not)."""
+        tools = tools if self.tool_messages == "native" else None
+        return self._encode(self._render(self.as_template_messages(messages), generation=True, tools=tools))
 
     def after_reply(self, reply_ids: list[int], messages: list[dict[str, Any]]) -> list[int]:
         """The ids between a reply (the engine's `reply_ids`) and the next one: the EOS if the reply stopped on
@@ -188,11 +195,13 @@ class Conversation:
 
 
 def next_turn(chat: ChatDeltas, conversation: Conversation | None, messages: list[dict[str, Any]], *,
-              budget: int, reply_tokens: int, max_model_len: int) -> tuple[Conversation, int]:
-    """The conversation ready for its next reply, and that reply's token room: `messages` are the first user
-    message (no conversation yet) or what answers the last reply. Raises ConversationOver when it cannot go on."""
+              budget: int, reply_tokens: int, max_model_len: int,
+              tools: list[dict[str, Any]] | None = None) -> tuple[Conversation, int]:
+    """The conversation ready for its next reply, and that reply's token room: `messages` are the first messages
+    (no conversation yet; `tools` go to the template with them) or what answers the last reply. Raises
+    ConversationOver when it cannot go on."""
     if conversation is None:
-        conversation = Conversation(chat.first_prompt(messages))
+        conversation = Conversation(chat.first_prompt(messages, tools))
     else:
         delta = chat.after_reply(conversation.response_ids[slice(*conversation.turns[-1])], messages)
         used = len(conversation.response_ids)

@@ -58,7 +58,7 @@ class ConversationDemonstrator(ConversationDecider):
         follows = self.rng.random() < self.expert_prob or not actions
         action = expert if follows else actions[self.rng.integers(len(actions))]
         self.conversation, _ = next_turn(self.chat, self.conversation, self.messages(turn), budget=self.budget,
-                                         reply_tokens=1, max_model_len=self.max_model_len)
+                                         reply_tokens=1, max_model_len=self.max_model_len, tools=self.tools(turn))
         ids = expert_label(self.tokenizer, action)
         if len(self.conversation.response_ids) + len(ids) > self.budget:
             raise ConversationOver("token_budget", "the demonstration's next reply does not fit")

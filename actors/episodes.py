@@ -324,9 +324,17 @@ class ConversationDecider:
 
     def messages(self, turn: Turn) -> list[dict[str, Any]]:
         if self.conversation is None:
-            return agent_messages(turn.env, turn.observation, "")
+            first = getattr(turn.env, "first_messages", None)
+            native = self.chat.tool_messages == "native"
+            return first(turn.observation, native) if first else agent_messages(turn.env, turn.observation, "")
         follow = getattr(turn.env, "followup_messages", None)
         return follow(turn.observation, turn.info) if follow else agent_messages(turn.env, turn.observation, "")
+
+    def tools(self, turn: Turn) -> list[dict[str, Any]] | None:
+        """The env's tool schemas for the first prompt's `tools=` (a template that does not read them ignores
+        them); None once the conversation has started."""
+        schemas = getattr(turn.env, "tool_schemas", None)
+        return schemas() if schemas and self.conversation is None else None
 
     async def reply(self, turn: Turn, messages: list[dict[str, Any]], attempt: int = 0) -> Decision:
         """Append `messages` (what answers the last reply; the first prompt's message at the start) and one reply
@@ -334,7 +342,7 @@ class ConversationDecider:
         `attempt` (a loop that asks twice in one step)."""
         self.conversation, room = next_turn(self.chat, self.conversation, messages, budget=self.budget,
                                             reply_tokens=int(self.sampling["max_tokens"]),
-                                            max_model_len=self.max_model_len)
+                                            max_model_len=self.max_model_len, tools=self.tools(turn))
         seed = None if self.sampling_seed is None else step_sampling_seed(self.sampling_seed, turn.step + 1000 * attempt)
         prompt = self.conversation.ids
         reply = await self.generate(prompt, {**self.sampling, "max_tokens": room, "seed": seed})

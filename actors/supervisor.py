@@ -54,7 +54,7 @@ class TrainJobSupervisor:
             "seed": cfg.seed, "pad_id": self.pad_id, "norm_length": cfg.loss_norm_length, "iterations": cfg.iterations,
             "mixed_precision": cfg.trainer.mixed_precision, "weights_dtype": cfg.policy.dtype,
             "weights_bucket_bytes": cfg.weight_sync.bucket_bytes,
-            "activation_checkpointing": cfg.trainer.activation_checkpointing,
+            "activation_checkpointing": cfg.trainer.activation_checkpointing, "threads": cfg.trainer.threads_per_worker,
             "lora": cfg.policy.lora.model_dump() if cfg.policy.lora else None,
             "framework_log_level": cfg.logging.framework_level,
             **{k: self.shared(v) for k, v in train_state_of(checkpoint).items()},

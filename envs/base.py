@@ -189,6 +189,16 @@ class TextEnv(gym.Env[str, str]):
             example=self.example_action,
         )
 
+    def first_messages(self, observation: str, tools_in_template: bool) -> list[dict[str, str]]:
+        """Conversation mode: the messages that open the conversation, one `user` message with the env's prompt
+        here. `tools_in_template`: the model's chat template renders `tool_schemas()` itself (they go to its
+        `tools=`); where it does not, the messages must say what the tools are and how to call them."""
+        return [{"role": "user", "content": self.build_prompt(observation, "")}]
+
+    def tool_schemas(self) -> list[dict[str, Any]]:
+        """OpenAI function schemas of the env's tools, handed to chat templates that read `tools=` (none here)."""
+        return []
+
     def followup_messages(self, observation: str, info: dict[str, Any]) -> list[dict[str, str]]:
         """Conversation mode: the messages that answer the agent's last reply (`info` is that step's info). A
         `user` message with the new state here; envs whose step ran a tool answer with a `tool` message."""

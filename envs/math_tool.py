@@ -2,7 +2,7 @@
 
 Each turn the reply holds either a tool call, ``<tool_call>{"name": "calculator", "arguments": {"expression":
 "3 * 4"}}</tool_call>`` (its result, or its error, becomes the next observation), or the final ``<answer>N</answer>``
-(ends the episode: reward 1.0 and `won` when N equals the answer, else 0). Problems are generated here (GSM8K-like,
+or GSM8K's ``#### N`` (ends the episode: reward 1.0 and `won` when N equals the answer, else 0). Problems are generated here (GSM8K-like,
 2-4 operations, whole-number answers) or loaded from a task file (`data=`: GSM8K rows or verl's task rows, JSONL or
 Parquet, a local path or a storage URI; `envs.data.arithmetic.write_tasks` writes the generated set as one).
 
@@ -13,7 +13,10 @@ verl's async create / execute / release interface, one instance per episode, cre
 `extra_info.tools_kwargs` (the generated set gives verl's GSM8K reward tool its ground truth), released when the
 episode ends.
 
-What counts as invalid (nothing moves, `invalid_reward`): no <tool_call> or <answer> tag, a tool call that is not a
+In conversation mode the first messages are the env's prompt (`prompt="env"`) or the task row's own chat messages
+(`prompt="row"`, `first_messages`), and the tools' schemas go to the chat template's `tools=`.
+
+What counts as invalid (nothing moves, `invalid_reward`): no <tool_call> or <answer> tag (or `#### N`), a tool call that is not a
 JSON object with a "name", or an answer without a number. A call the tool refuses (unknown tool, arguments that fail
 the schema, an error inside the tool) is a valid turn whose observation is the error text, flagged in
 `info["tool_error"]`, so the agent can read it and try again.
@@ -23,11 +26,11 @@ from __future__ import annotations
 
 import functools
 import json
-from typing import Any
+from typing import Any, Literal
 
 from envs.base import Outcome, TextEnv, split_pool
 from envs.data import clip, squash, to_charset
-from envs.data.arithmetic import Problem, generate_problem, load_problems, parse_number, task_row
+from envs.data.arithmetic import GSM8K_ANSWER, Problem, generate_problem, load_problems, parse_number, task_row
 from envs.tools import (
     SessionTool,
     Tool,
@@ -75,10 +78,14 @@ class MathTool(TextEnv):
 
     def __init__(self, data: str | None = None, tools: tuple[str | Tool, ...] | list[str | Tool] = ("calculator",),
                  max_steps: int | None = None, max_output_chars: int = 600, registry: ToolRegistry | None = None,
-                 split: str = "train", tools_config: str | None = None, max_parallel_calls: int = 1):
+                 split: str = "train", tools_config: str | None = None, max_parallel_calls: int = 1,
+                 prompt: Literal["env", "row"] = "env"):
         split_pool([], split)  # a bad split name fails here
         if max_parallel_calls < 1:
             raise ValueError(f"max_parallel_calls must be >= 1, got {max_parallel_calls}")
+        if prompt not in ("env", "row"):
+            raise ValueError(f"prompt {prompt!r} not allowed; allowed: ['env', 'row']")
+        self.prompt = prompt
         super().__init__(max_steps=max_steps, max_obs_chars=(2048 + max_output_chars) * max_parallel_calls)
         self.data, self.split = data, split
         self.registry = registry or ToolRegistry(tools)
@@ -138,8 +145,9 @@ class MathTool(TextEnv):
         per line (tool and argument names as declared, values validated), or ``<answer>N</answer>`` with N as a
         plain number; None when there is neither, or a call is not a JSON object with a name."""
         found = find_tagged(reply, TAGS)
-        if found is None:
-            return None
+        if found is None:  # GSM8K's "#### N" (verl's task rows ask for it) answers too
+            final = GSM8K_ANSWER.search(reply)
+            return None if final is None else f"<answer>{_format(float(final.group(1).replace(',', '')))}</answer>"
         tag, text = found
         if tag == "answer":
             value = parse_number(text)
@@ -217,6 +225,28 @@ class MathTool(TextEnv):
             await self.session.close()
         return out
 
+    def tool_schemas(self) -> list[dict[str, Any]]:
+        return [t.schema() for t in self.registry.tools.values()]
+
+    def first_messages(self, observation: str, tools_in_template: bool) -> list[dict[str, str]]:
+        """`prompt: env`: the env's prompt (task, tools, question, reply format) as one user message. `prompt: row`:
+        the task row's own chat messages (verl's `prompt`; a generated problem's is its question alone), with a
+        system turn that adds what the row does not say: the tools the hermes way where the template does not
+        render `tools=`, and the reply format where the row has no system message of its own."""
+        if self.prompt == "env":
+            return super().first_messages(observation, tools_in_template)
+        messages = (json.loads(self.problem.messages) if self.problem.messages
+                    else [{"role": "user", "content": self.problem.question}])
+        own_system = messages[0]["role"] == "system"
+        added = [] if own_system else [ROW_REPLY_FORMAT]
+        if not tools_in_template:
+            added.append(hermes_tools_block(self.tool_schemas()))
+        if not added:
+            return messages
+        if own_system:
+            return [{"role": "system", "content": "\n\n".join([messages[0]["content"], *added])}, *messages[1:]]
+        return [{"role": "system", "content": "\n\n".join(added)}, *messages]
+
     def followup_messages(self, observation: str, info: dict[str, Any]) -> list[dict[str, str]]:
         """Each tool call's result (or its error) as a `tool` message; after a reply that was neither a tool call
         nor an answer, a `user` message with the state and the reply format again."""
@@ -242,6 +272,19 @@ class MathTool(TextEnv):
         return self.prompt_template.format(task=self.task_description, tools=self.registry.describe(), memory=memory,
                                            observation=observation, actions=", ".join(self.admissible_actions()),
                                            example=self.example_action)
+
+
+ROW_REPLY_FORMAT = ("Solve the problem. You may call a tool; its result comes back in the next turn. Give the "
+                    "final answer as <answer>number</answer> (or after ####).")
+
+
+def hermes_tools_block(schemas: list[dict[str, Any]]) -> str:
+    """The tools for a chat template that does not render `tools=`: their schemas in <tools></tools>, and the call
+    format, in the hermes style that Qwen-family templates write (raygent's own wording)."""
+    listed = "\n".join(json.dumps(s) for s in schemas)
+    return ("Tools: you can call the functions whose JSON schemas are listed in <tools></tools>.\n<tools>\n"
+            f"{listed}\n</tools>\nTo call one, write <tool_call>{{\"name\": function name, \"arguments\": "
+            "{arguments as a JSON object}}</tool_call>; its result comes back inside <tool_response></tool_response>.")
 
 
 def _format(value: float) -> str:

@@ -83,6 +83,15 @@ def reference_messages(tokenizer, episode):
     return messages
 
 
+def render_reference(tokenizer, messages):
+    """The template's token ids of a whole conversation, with math_tool's tool schemas where it reads `tools=` (as
+    the conversation's first prompt has them)."""
+    native = chat_deltas(tokenizer).tool_messages == "native"
+    tools = envs.make("math_tool", tools=["calculator", explode]).tool_schemas() if native else None
+    return tokenizer.encode(tokenizer.apply_chat_template(messages, tools=tools, tokenize=False),
+                            add_special_tokens=False)
+
+
 def first_difference(a, b) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
 
@@ -94,8 +103,7 @@ def test_a_six_turn_episode_trains_the_engines_tokens_plus_template_deltas(token
     episode, generate = play_math(tokenizer, REPLIES)
     c = episode.conversation
     assert episode.ended == "terminated" and len(episode.steps) == 6 == len(c.turns)
-    text = tokenizer.apply_chat_template(reference_messages(tokenizer, episode), tokenize=False)
-    reference = tokenizer.encode(text, add_special_tokens=False)
+    reference = render_reference(tokenizer, reference_messages(tokenizer, episode))
     got = c.prompt_ids + c.response_ids
     # the reference's last assistant turn ends with the template's turn separator, which nothing follows here
     diff = first_difference(reference, got)
@@ -164,8 +172,7 @@ def test_a_reply_cut_on_length_is_closed_with_eos_before_the_next_turn(tokenizer
     c = episode.conversation
     end = c.turns[0][1]
     assert c.response_ids[end] == tokenizer.eos_token_id and c.loss_mask[end] == 0
-    text = tokenizer.apply_chat_template(reference_messages(tokenizer, episode), tokenize=False)
-    reference = tokenizer.encode(text, add_special_tokens=False)
+    reference = render_reference(tokenizer, reference_messages(tokenizer, episode))
     got = c.prompt_ids + c.response_ids
     assert got[:len(c.prompt_ids) + c.turns[1][0]] == reference[:len(c.prompt_ids) + c.turns[1][0]]
 
@@ -380,7 +387,7 @@ def test_a_custom_loop_replies_twice_in_a_step_and_both_replies_get_the_steps_ad
     observation, _, _, _, info = env2.step(replies[1])
     messages += chat_deltas(tokenizer).as_template_messages(env2.followup_messages(observation, info))
     messages.append({"role": "assistant", "content": replies[2]})
-    reference = tokenizer.encode(tokenizer.apply_chat_template(messages, tokenize=False), add_special_tokens=False)
+    reference = render_reference(tokenizer, messages)
     got = c.prompt_ids + c.response_ids
     assert got == reference[:len(got)], first_difference(reference, got)
     trained = [t for t, m in zip(c.response_ids, c.loss_mask, strict=True) if m]
@@ -491,3 +498,53 @@ def test_task_rows_that_name_loops_need_them_mapped_in_conversation_mode(tmp_pat
                                                  "agent_loops": {"retry": "actors.agent_loops:FormatRetry"}}})
     assert cfg.agent_loop.named == (("retry", "actors.agent_loops:FormatRetry"),)
     assert cfg.agent_card().loop == cfg.agent_loop  # served and evaluated as trained
+
+
+VERL_SYSTEM = ("You are a math expert. Use the calculator, then put your final answer in the format of "
+               "`#### <answer>`.")
+
+
+@pytest.mark.parametrize("own_system", [True, False])
+def test_a_task_rows_own_messages_open_the_conversation_with_the_tools_as_its_template_takes_them(
+        tokenizer, tmp_path, own_system):
+    """`prompt: row`: the row's chat messages (verl's `prompt`) open the conversation, not the env's prompt. The tool
+    schemas go to the template's `tools=` where it reads them, else into the system turn the hermes way; a row
+    without a system message gets the reply format there too. The first prompt is the template's rendering of
+    exactly that, and GSM8K's `#### N` answers."""
+    import json
+
+    from envs.math_tool import ROW_REPLY_FORMAT, hermes_tools_block
+
+    user = {"role": "user", "content": "Mia has 40 pens and buys 2 more. How many pens does she have?"}
+    row = {"prompt": [{"role": "system", "content": VERL_SYSTEM}, user] if own_system else [user],
+           "reward_model": {"ground_truth": "42"}}
+    path = tmp_path / "tasks.jsonl"
+    path.write_text(json.dumps(row) + "\n")
+    env = envs.make("math_tool", data=str(path), prompt="row", tools=["calculator"])
+    generate = scripted(tokenizer, [REPLIES[0].replace("2 + 3", "40 + 2"), "So she has #### 42"])
+    decide = policy_decider(tokenizer, generate, {"max_tokens": 256, "temperature": 1.0}, max_model_len=8192,
+                            loop=AgentLoop("conversation", 4096))
+    episode = asyncio.run(play(env, memory.make("none"), decide, seed=0))
+    assert episode.won and len(episode.steps) == 2, [s.reply for s in episode.steps]
+
+    native = chat_deltas(tokenizer).tool_messages == "native"
+    schemas = env.tool_schemas()
+    assert [s["function"]["name"] for s in schemas] == ["calculator"]
+    system = [VERL_SYSTEM] if own_system else [ROW_REPLY_FORMAT]
+    if not native:
+        system.append(hermes_tools_block(schemas))
+    prompt = tokenizer.decode(episode.conversation.prompt_ids)
+    assert user["content"] in prompt and "Math with tools" not in prompt  # the row's words, not the env's prompt
+    if native:
+        assert "Tools you may call:" in prompt and prompt.count('"calculator"') == 1  # once, by the template
+    else:
+        assert json.dumps(schemas[0]) in prompt and "<tool_call>" in prompt
+    first = [{"role": "system", "content": "\n\n".join(system)}, user]
+    expected = tokenizer.apply_chat_template(first, tools=schemas if native else None, add_generation_prompt=True,
+                                             tokenize=False)
+    assert episode.conversation.prompt_ids == tokenizer.encode(expected, add_special_tokens=False)
+
+
+def test_the_rows_prompt_is_refused_by_name_when_misspelt():
+    with pytest.raises(ValueError, match=r"prompt 'rows' not allowed; allowed: \['env', 'row'\]"):
+        envs.make("math_tool", prompt="rows")

@@ -28,6 +28,7 @@ class Problem:
     expression: str = ""  # what the calculator should be asked; empty for loaded problems
     tools_kwargs: str = ""  # a task row's per-sample tool arguments (verl's extra_info.tools_kwargs), as JSON
     agent_name: str = ""  # the conversation loop the row names (verl's agent_name column); "" for none
+    messages: str = ""  # a task row's own chat `prompt` messages, as JSON; "" for generated and GSM8K problems
 
 
 def _wrap(expr: str) -> str:
@@ -72,7 +73,7 @@ def generate_problem(rng: np.random.Generator) -> Problem:
     return Problem(" ".join(sentences), value, expr)
 
 
-_FINAL = re.compile(r"####\s*([-+]?[\d,]*\.?\d+)")
+GSM8K_ANSWER = re.compile(r"####\s*([-+]?[\d,]*\.?\d+)")
 
 
 def parse_number(text: str) -> float | None:
@@ -126,9 +127,11 @@ def _problem(row: dict[str, Any], where: str) -> Problem:
         if not isinstance(kwargs, dict):
             raise ValueError(f"{where}: extra_info.tools_kwargs must be an object of {{tool name: {{create_kwargs, "
                              "execute_kwargs}}")
+        messages = [{"role": str(m["role"]), "content": str(m.get("content") or "")} for m in row["prompt"]]
         return Problem(str(question), _number(parse_number(str(truth))), str(extra.get("expression") or ""),
-                       json.dumps(kwargs, sort_keys=True) if kwargs else "", str(row.get("agent_name") or ""))
-    m = _FINAL.search(str(row.get("answer", "")))
+                       json.dumps(kwargs, sort_keys=True) if kwargs else "", str(row.get("agent_name") or ""),
+                       json.dumps(messages))
+    m = GSM8K_ANSWER.search(str(row.get("answer", "")))
     if "question" not in row or m is None:
         raise ValueError(f"{where} needs 'question' and an 'answer' ending in '#### N' (GSM8K), or 'prompt' and "
                          "'reward_model' (a verl task row)")
