@@ -24,6 +24,7 @@ from typing import Any
 
 import yaml
 from bench_learning import REPO_ROOT, RESULTS, run_training, summarize
+from probe_numberline import decision_probe
 
 CONFIG = REPO_ROOT / "serve_configs" / "smollm2_numberline_cpu.yaml"
 NAME = "real_model_numberline"
@@ -33,6 +34,15 @@ def stats(values: list[float | None]) -> dict[str, Any]:
     xs = [float(v) for v in values if v is not None]
     return {"values": values, "mean": statistics.fmean(xs) if xs else None,
             "std": statistics.stdev(xs) if len(xs) > 1 else None}
+
+
+def probe_run(run_dir: Path) -> dict[str, Any]:
+    """The decision probe (probe_numberline.py) of the policy where RL started (the run's KL reference: the warm
+    start's result) and of its last checkpoint, where the run has them."""
+    checkpoints = sorted((run_dir / "checkpoints").glob("iter_*/model"))
+    folders = {"rl_start": run_dir / "reference", "last_checkpoint": checkpoints[-1] if checkpoints else None}
+    return {name: decision_probe(str(folder)) for name, folder in folders.items()
+            if folder is not None and (folder / "config.json").exists()}
 
 
 def plot(runs: dict[str, dict[str, Any]], path: Path) -> None:
@@ -85,7 +95,8 @@ def main() -> None:
         print(f"seed {seed}: {CONFIG.name} for {args.minutes} min", flush=True)
         records, run = run_training(CONFIG, f"smollm2-numberline-seed{seed}", {**overrides, "seed": seed},
                                     args.minutes, work)
-        runs[str(seed)] = {"run": run, "summary": summarize(records), "records": records}
+        runs[str(seed)] = {"run": run, "summary": summarize(records), "records": records,
+                           "decision_probe": probe_run(work / "runs" / f"smollm2-numberline-seed{seed}")}
         per_seed = {k: [r["summary"][k] for r in runs.values()]
                     for k in ("untrained_success", "warm_start_final_success", "rl_final_success", "rl_best_success")}
         gains = [None if r["summary"]["rl_final_success"] is None or r["summary"]["warm_start_final_success"] is None
