@@ -4,7 +4,9 @@ Each seed is one run of `serve_configs/smollm2_numberline_cpu.yaml` (`serve run`
 user runs it) with the run's `seed` set, for a wall-clock budget: the untrained model's held-out success, a short
 supervised warm start on the expert's moves (stopped below 60%), then GiGPO. Read back from each run's metrics:
 held-out success of the untrained model, after the warm start and after RL (the last validation), mean and sample
-std over seeds, and RL's gain over where RL started. The curves of every seed go to one PNG.
+std over seeds, and RL's gain over where RL started. The curves of every seed go to one PNG. The decision probe
+(probe_numberline.py: the expert's move against the other over all 72 states, no sampling noise) reads the policy
+where RL started and the last checkpoint of each seed.
 
 Usage (from the repo root):  python benchmarks/bench_real_model.py [--minutes 60] [--seeds 0,1,2] [--set K=V ...]
                              [--name NAME] [--append]
