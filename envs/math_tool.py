@@ -147,7 +147,8 @@ class MathTool(TextEnv):
         found = find_tagged(reply, TAGS)
         if found is None:  # GSM8K's "#### N" (verl's task rows ask for it) answers too
             final = GSM8K_ANSWER.search(reply)
-            return None if final is None else f"<answer>{_format(float(final.group(1).replace(',', '')))}</answer>"
+            value = None if final is None else parse_number(final.group(1))
+            return None if value is None else f"<answer>{_format(value)}</answer>"
         tag, text = found
         if tag == "answer":
             value = parse_number(text)
