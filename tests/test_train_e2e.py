@@ -365,8 +365,12 @@ def test_a_full_checkpoint_disk_keeps_the_last_checkpoint_and_the_run_goes_on(tm
     runs = tmp_path / "runs"
     checkpoints = runs / "e2e-full-disk" / "checkpoints"
     checkpoints.mkdir(parents=True)
+    # The disk is the subject: transformers answers (`engine: hf`, started in seconds where vLLM takes ~30) and one
+    # Train worker writes the train state (vLLM and 2 ranks: the other runs of this module).
     config = training_config(REPO / "serve_configs" / "test_tiny.yaml", tmp_path / "config.yaml", port, runs,
                              run_name="e2e-full-disk", iterations=4, warm_start={"enabled": False},
+                             policy={"model": "default:tiny", "engine": "hf", "max_model_len": 1024},
+                             trainer={"num_workers": 1, "strategy": "fsdp", "cpus_per_worker": 0.2},
                              checkpoint={"every": 1, "keep": 2, "resume": "never"})
     log = tmp_path / "run.log"
     script = (f"mount -t tmpfs tmpfs /tmp/ray && mount -t tmpfs -o size=256m tmpfs {checkpoints} && "
@@ -424,9 +428,10 @@ def test_a_lora_run_sends_adapters_checkpoints_them_resumes_and_serves_base_plus
                                                                                           tmp_path):
     """`policy.lora` from `serve run`: the Train job trains an adapter (FSDP2, the base frozen), the replicas serve
     base + adapter with vLLM's LoRA (the trainer's log-probs of the sampled replies are the engine's, before and
-    after a resume), each update sends the adapter alone, a checkpoint holds the adapter and the merged model, a
-    resumed run continues from them, and the agent endpoint serves the same agent from base + adapter as from
-    the merged folder."""
+    after a resume), each update sends the adapter alone, a checkpoint holds the adapter and the merged model, the
+    run's controller killed after the first checkpoint resumes from the latest (as a new `serve run` of the run
+    would: the same resume at the controller's start, without paying for new replicas), and the agent endpoint
+    serves the same agent from base + adapter as from the merged folder."""
     from ray import serve
 
     from app.agent import build_agent_app
@@ -434,41 +439,43 @@ def test_a_lora_run_sends_adapters_checkpoints_them_resumes_and_serves_base_plus
     address = ray_cluster.get_runtime_context().gcs_address
     port = int(serve_url.rsplit(":", 1)[1])
     serve.delete("train")
-
-    def config(iterations: int, name: str) -> Path:
-        return training_config(REPO / "serve_configs" / "test_tiny.yaml", tmp_path / name, port, tmp_path / "runs",
-                               run_name="e2e-lora", iterations=iterations, warm_start={"enabled": False},
-                               env={"name": "sokoban", "kwargs": {"max_steps": 6}},
-                               policy={"model": "default:tiny", "engine": "vllm", "max_model_len": 1024,
-                                       "lora": {"rank": 8, "alpha": 32.0}},
-                               validation={"every": 0, "n_envs": 8, "baseline_envs": 0},
-                               checkpoint={"every": 1, "keep": 2, "resume": "auto"})
-
-    for iterations, name in ((1, "first"), (2, "resumed")):
-        run = ServeRun(config(iterations, f"{name}.yaml"), tmp_path / f"{name}.log", address)
-        try:
-            status = wait_for(lambda: (s := get_status(serve_url))["done"] and s, 600, f"the {name} run", run)
-        finally:
-            run.stop()
-        serve.delete("train")
-        assert status["phase"] == "done" and status["iteration"] == iterations, status
-    assert "resuming" in run.log.read_text()
+    config = training_config(REPO / "serve_configs" / "test_tiny.yaml", tmp_path / "config.yaml", port,
+                             tmp_path / "runs", run_name="e2e-lora", iterations=3, warm_start={"enabled": False},
+                             env={"name": "sokoban", "kwargs": {"max_steps": 6}},
+                             policy={"model": "default:tiny", "engine": "vllm", "max_model_len": 1024,
+                                     "lora": {"rank": 8, "alpha": 32.0}},
+                             validation={"every": 0, "n_envs": 8, "baseline_envs": 0},
+                             checkpoint={"every": 1, "keep": 2, "resume": "auto"})
+    runs = tmp_path / "runs" / "e2e-lora"
+    run = ServeRun(config, tmp_path / "run.log", address)
+    try:
+        wait_for(lambda: (runs / "checkpoints" / "iter_000001" / "state.json").exists(), 600, "the first checkpoint",
+                 run, interval=0.2)
+        kill_one("ray::Controller")
+        status = wait_for(lambda: (s := get_status(serve_url))["done"] and s, 600, "the resumed run", run)
+    finally:
+        run.stop()
+    serve.delete("train")
+    assert status["phase"] == "done" and status["iteration"] == 3, status
+    resumed = re.findall(r"resuming e2e-lora from \S*/iter_(\d+)", run.log.read_text())
+    assert len(resumed) == 1, run.log.read_text()[-3000:]  # the restarted controller, from a checkpoint
+    resumed_from = int(resumed[0])
+    assert resumed_from < 3, "the controller was killed after the run's last iteration: nothing was resumed"
 
     runs = tmp_path / "runs" / "e2e-lora"
-    history = [json.loads(line) for line in (runs / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    train = [r for r in history if r.get("phase") == "train"]
-    assert [r["iteration"] for r in train] == [1, 2]
+    train = trained_records(read_history(runs))
+    assert [r["iteration"] for r in train] == [1, 2, 3]  # the iterations after the resumed checkpoint, redone once
     # The replicas sample from exactly the trainer's policy: base + the adapter it sent (and after the resume,
     # base + the checkpoint's adapter): the first PPO ratio is 1 up to numerics.
     assert all(r["train/rollout_trainer_logprob_gap"] < 1e-3 for r in train), \
         [r["train/rollout_trainer_logprob_gap"] for r in train]
     # The reference is the base (the adapter off): a fresh adapter (B = 0) is the base, so iteration 1's KL is 0;
-    # after the resume it is not (the adapter iteration 1 trained came back, not a fresh one; KL is taken before
-    # each iteration's one update).
-    kl = [r["train/kl"] for r in train]
-    assert kl[0] == 0 and kl[1] > 0, kl
+    # right after the resume it is not (the trained adapter came back, not a fresh one; KL is taken before each
+    # iteration's one update).
+    kl = {r["iteration"]: r["train/kl"] for r in train}
+    assert kl[1] == 0 and kl[resumed_from + 1] > 0, (kl, resumed_from)
 
-    checkpoint = runs / "checkpoints" / "iter_000002"
+    checkpoint = runs / "checkpoints" / "iter_000003"
     state = json.loads((checkpoint / "state.json").read_text())
     assert state["layout_version"] == LAYOUT_VERSION and Path(state["base_model"]).is_dir()
     adapter_bytes = (checkpoint / "adapter" / "adapter_model.safetensors").stat().st_size
@@ -537,6 +544,9 @@ def test_a_gpu_recipe_at_cpu_size_trains_the_real_model_syncs_checkpoints_serves
         "policy.dtype": "float32", "trainer.mixed_precision": "fp32", "weight_sync.timeout_s": 60,
         "warm_start": {"enabled": True, "demo_seeds": 8, "steps": 4, "batch_size": 8, "eval_every": 4,
                        "lr": 2.0e-5, "target_success": 1.0},
+        # one validation and one checkpoint, the run's last (each costs the real model seconds: a checkpoint is
+        # ~2 GB with the optimizer state), which the agent endpoint and `raygent eval` read back
+        "validation.every": 2, "checkpoint.every": 2,
         "checkpoint.keep": 2, "checkpoint.resume": "never", "deployments.Policy.num_replicas": 1})
     spec["http_options"]["port"] = port
     config = tmp_path / "config.yaml"

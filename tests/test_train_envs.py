@@ -1,8 +1,9 @@
 """Every built-in agent env trains from its CPU smoke config, as a user runs it: `serve run
-serve_configs/<env>_cpu.yaml` as a subprocess on the session's Ray cluster, cut to 1 iteration, polled over HTTP
-until done. Checks the iteration's metrics (success rate, valid-action ratio, a finite loss), the final validation
-and checkpoint, and the warm start where the config has one. These run last (conftest): `serve run` shuts Serve down
-when it exits."""
+serve_configs/<env>_cpu.yaml` as a subprocess on the session's Ray cluster, cut to 1 iteration, with transformers
+answering and one Train worker (the env is the subject; vLLM and 2 FSDP2 ranks are the gateway run's and
+test_train_e2e.py's), polled over HTTP until done. Checks the iteration's metrics (success rate, valid-action ratio,
+a finite loss), the final validation and checkpoint, and the warm start where the config has one. These run last
+(conftest): `serve run` shuts Serve down when it exits."""
 
 from __future__ import annotations
 
@@ -47,8 +48,12 @@ def test_cpu_smoke_config_trains(env, ray_cluster, serve_url, tmp_path):
     warm = args["warm_start"]
     if warm["enabled"]:
         warm = {**warm, "steps": min(warm["steps"], 4), "eval_every": min(warm.get("eval_every", 4), 4)}
+    # The env is the subject here: its replies come from transformers (`engine: hf`, a replica starts in seconds
+    # instead of vLLM's ~30) and one Train worker updates. vLLM and FSDP2 over 2 ranks train in the gateway run
+    # below and in test_train_e2e.py (docs/testing.md).
     config = training_config(source, tmp_path / "config.yaml", port, tmp_path / "runs", iterations=1,
-                             warm_start=warm, validation={**args["validation"], "baseline_envs": 0})
+                             warm_start=warm, validation={**args["validation"], "baseline_envs": 0},
+                             policy={**args["policy"], "engine": "hf"}, trainer={**args["trainer"], "num_workers": 1})
     _delete_train_app()
     run = ServeRun(config, tmp_path / "serve_run.log", ray_cluster.get_runtime_context().gcs_address)
     try:

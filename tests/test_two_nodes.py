@@ -126,7 +126,10 @@ def _train_config(tmp_path: Path, name: str, port: int, storage: str | None, ite
     spec = yaml.safe_load((REPO / "serve_configs" / "test_tiny.yaml").read_text())
     spec["http_options"]["port"] = port
     app = spec["applications"][0]
+    # The nodes, their disks and storage are the subject: the replicas answer with transformers (`engine: hf`,
+    # started in seconds where vLLM takes ~30 on these cores; vLLM runs in every run of test_train_e2e.py).
     app["args"].update(output_dir=str(tmp_path / "runs"), run_name="two-nodes", iterations=iterations,
+                       policy={**app["args"]["policy"], "engine": "hf"},
                        checkpoint={"every": 1, "keep": 2, "resume": "auto", "storage": storage},
                        warm_start={**app["args"]["warm_start"], "steps": 4, "eval_every": 4})  # its path only
     if placed:
@@ -237,7 +240,7 @@ def test_a_run_on_two_nodes_without_a_shared_disk_trains_resumes_from_storage_an
     agent = yaml.safe_load((REPO / "serve_configs" / "agent.yaml").read_text())
     agent["http_options"]["port"] = port
     app = agent["applications"][0]
-    app["args"]["policy"]["model"] = stored.uri_of("checkpoints/iter_000004/model")
+    app["args"]["policy"].update(model=stored.uri_of("checkpoints/iter_000004/model"), engine="hf")
     app["deployments"][0]["ray_actor_options"]["resources"] = {"worker_node": 1}
     config = tmp_path / "agent.yaml"
     config.write_text(yaml.safe_dump(agent))
