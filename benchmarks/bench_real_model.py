@@ -4,7 +4,8 @@ Each seed is one run of `serve_configs/smollm2_numberline_cpu.yaml` (`serve run`
 user runs it) with the run's `seed` set, for a wall-clock budget: the untrained model's held-out success, a short
 supervised warm start on the expert's moves (stopped below 60%), then GiGPO. Read back from each run's metrics:
 held-out success of the untrained model, after the warm start and after RL (the last validation), mean and sample
-std over seeds, and RL's gain over where RL started. The curves of every seed go to one PNG. The decision probe
+std over seeds, and RL's gain over where RL started, also at the last validated iteration every seed reached
+(a seed's budget is wall-clock). The curves of every seed go to one PNG. The decision probe
 (probe_numberline.py: the expert's move against the other over all 72 states, no sampling noise) reads the policy
 where RL started and the last checkpoint of each seed.
 
@@ -104,12 +105,21 @@ def main() -> None:
         gains = [None if r["summary"]["rl_final_success"] is None or r["summary"]["warm_start_final_success"] is None
                  else r["summary"]["rl_final_success"] - r["summary"]["warm_start_final_success"]
                  for r in runs.values()]
+        # A seed's budget is wall-clock, and this machine's speed varies: seeds also compare at the last validated
+        # iteration they all reached
+        validated = [{v["iteration"]: v["val_success"] for v in r["summary"]["rl_validation"]} for r in runs.values()]
+        common = max(set.intersection(*(set(v) for v in validated)), default=None)
+        at_common = None if common is None else {
+            "iteration": common, "success": stats([v[common] for v in validated]),
+            "gain": stats([None if r["summary"]["warm_start_final_success"] is None
+                           else v[common] - r["summary"]["warm_start_final_success"]
+                           for r, v in zip(runs.values(), validated, strict=True)])}
         out = {"config": str(CONFIG.relative_to(REPO_ROOT)), "overrides": overrides, "minutes_per_seed": args.minutes,
                "machine_cpus": os.cpu_count(), "seeds": list(runs),
                "untrained": stats(per_seed["untrained_success"]),
                "after_warm_start": stats(per_seed["warm_start_final_success"]),
                "after_rl": stats(per_seed["rl_final_success"]), "best_rl": stats(per_seed["rl_best_success"]),
-               "rl_gain": stats(gains),
+               "rl_gain": stats(gains), "at_common_iteration": at_common,
                "rl_iterations": [r["run"]["iterations"] for r in runs.values()], "runs": runs}
         RESULTS.mkdir(parents=True, exist_ok=True)
         (RESULTS / f"{args.name}.json").write_text(json.dumps(out, indent=1) + "\n")
@@ -118,7 +128,8 @@ def main() -> None:
         print(f"seed {seed}: untrained {s['untrained_success']}, warm start {s['warm_start_final_success']}, RL final "
               f"{s['rl_final_success']} (best {s['rl_best_success']}) after {run['iterations']} iterations", flush=True)
     print(f"after RL {out['after_rl']['mean']} +- {out['after_rl']['std']}; RL gain {out['rl_gain']['mean']} +- "
-          f"{out['rl_gain']['std']}; wrote benchmarks/results/{args.name}.json and .png")
+          f"{out['rl_gain']['std']}; at the common iteration {at_common}; wrote benchmarks/results/{args.name}.json "
+          "and .png")
 
 
 if __name__ == "__main__":
