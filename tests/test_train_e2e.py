@@ -462,7 +462,6 @@ def test_a_lora_run_sends_adapters_checkpoints_them_resumes_and_serves_base_plus
     resumed_from = int(resumed[0])
     assert resumed_from < 3, "the controller was killed after the run's last iteration: nothing was resumed"
 
-    runs = tmp_path / "runs" / "e2e-lora"
     train = trained_records(read_history(runs))
     assert [r["iteration"] for r in train] == [1, 2, 3]  # the iterations after the resumed checkpoint, redone once
     # The replicas sample from exactly the trainer's policy: base + the adapter it sent (and after the resume,
